@@ -1,0 +1,457 @@
+"""Configuration: YAML -> frozen dataclasses, dotted command-line overrides, strict validation.
+
+Section names follow EasyR1/verl so their users recognise them: ``data``, ``algorithm``, ``worker.actor``,
+``worker.rollout``, ``worker.ref``, ``worker.reward``, ``trainer``.
+
+Everything a user can get wrong is caught here, before any process group or model exists:
+  * unknown keys (with the full dotted name and the closest valid key),
+  * wrong types (with the expected type),
+  * cross-field rules (batch sizes vs world size and group size, TP dividing the world, positive lengths),
+    checked by ``validate(cfg, world_size)``.
+``ConfigError`` carries a one-line message; ``spmd_grpo.train`` prints it and exits with code 2.
+
+Deviations from EasyR1's schema: ``algorithm.norm_adv_by_std_in_grpo`` and ``algorithm.adv_std_scope`` are
+verl's names; DAPO's switches live under ``algorithm.filter_groups`` and ``algorithm.overlong_buffer`` (verl
+names them ``algorithm.filter_groups`` and ``reward_model.overlong_buffer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message is one line naming the key."""
+
+
+# --------------------------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: str = "builtin:color"
+    """`hub/repo@split`, a local parquet file or directory, or `builtin:<task>` (synthetic, see data.py)."""
+    val_files: str | None = None
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    format_prompt: str | None = None
+    """Path to a jinja file rendering `content` (the problem) into the user message; None = problem as is."""
+    system_prompt: str | None = None
+    max_prompt_length: int = 512
+    """Prompt tokens after image-token expansion; longer prompts are filtered at load, never truncated."""
+    max_response_length: int = 512
+    rollout_batch_size: int = 16
+    """Prompts drawn per step across all ranks; each yields worker.rollout.n samples."""
+    val_batch_size: int = -1
+    """-1 = the whole validation set in one pass."""
+    min_pixels: int = 3136
+    max_pixels: int = 262144
+    shuffle: bool = True
+    seed: int = 1
+    max_bad_fraction: float = 0.1
+    """Rows failing to decode are skipped; more than this fraction is an error."""
+    num_builtin_examples: int = 256
+    """Size of a `builtin:` dataset."""
+
+
+@dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO dynamic sampling (Yu et al. 2025, sec. 3.2)."""
+
+    enable: bool = False
+    metric: str = "accuracy"
+    """Reward key whose spread decides whether a group is kept (`accuracy`, `overall`, or a custom key)."""
+    max_num_gen_batches: int = 10
+    """Generation batches per step before giving up with an error; <= 0 means unlimited."""
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO overlong reward shaping (Yu et al. 2025, sec. 3.4)."""
+
+    enable: bool = False
+    length: int = 512
+    penalty_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo", "drgrpo"] = "grpo"
+    """grpo: (s - mean) / (std + eps) per group; drgrpo: s - mean (Liu et al. 2025)."""
+    norm_adv_by_std_in_grpo: bool = True
+    adv_std_scope: Literal["group", "batch"] = "group"
+    adv_eps: float = 1e-6
+    use_kl_loss: bool = True
+    kl_penalty: Literal["low_var_kl", "kl", "abs", "mse"] = "low_var_kl"
+    kl_coef: float = 0.01
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str = ""
+    """Local directory or HF hub id of a Qwen2.5-VL checkpoint."""
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    freeze_vision_tower: bool = False
+    enable_gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-2
+    lr_warmup_steps: int = 0
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    param_dtype: Literal["bfloat16", "float16", "float32", "auto"] = "auto"
+    """auto: bfloat16 on accelerators, float32 on CPU."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    global_batch_size: int = 16
+    """Samples (not prompts) per optimizer step, across all ranks."""
+    micro_batch_size_per_device_for_update: int = 4
+    micro_batch_size_per_device_for_experience: int = 16
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_dual: float | None = 3.0
+    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the vocabulary-sized log-softmax (bounds its memory)."""
+
+
+@dataclass(frozen=True)
+class ValOverrideConfig:
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = -1
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    tensor_parallel_size: int = 1
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "auto"
+    """auto: bfloat16 on accelerators, float32 on CPU (exact parity with an fp32 trainer)."""
+    gpu_memory_utilization: float = 0.6
+    enforce_eager: bool = True
+    enable_sleep_mode: bool = True
+    """Ignored (one log line) on CPU, where vLLM has no sleep mode."""
+    sleep_level: Literal[1, 2] = 2
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 256
+    limit_images: int = 1
+    """Most images per prompt (vLLM's limit_mm_per_prompt)."""
+    kv_cache_memory_gb: float = 1.0
+    """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    weight_sync_bucket_mb: int = 512
+    val_override: ValOverrideConfig = field(default_factory=ValOverrideConfig)
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    reward_function: str = "math"
+    """`math` (geometry3k: 0.9 accuracy + 0.1 format), `color` (the smoke task), or `path/file.py:fn`."""
+    format_weight: float = 0.1
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    project_name: str = "spmd_grpo"
+    experiment_name: str = "run"
+    output_dir: str = "runs"
+    total_epochs: int = 1
+    max_steps: int | None = None
+    """Stop after this many steps (None: total_epochs over the training set)."""
+    device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
+    seed: int = 1
+    val_freq: int = -1
+    val_before_train: bool = False
+    val_generations_to_log: int = 4
+    save_freq: int = -1
+    save_limit: int = 2
+    resume: str = "auto"
+    """auto | none | <path to a global_step_N dir>."""
+    collective_timeout_s: int = 1800
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.output_dir) / self.trainer.experiment_name
+
+
+# ------------------------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """YAML file (may be None: defaults) plus `a.b.c=value` overrides -> Config. Raises ConfigError."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+    return _build(Config, raw, prefix="")
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    node = raw
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "<top level>"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a section (mapping), got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(f"unknown config key {prefix}{key}{_suggest(prefix, str(key), cls)}")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _suggest(prefix: str, key: str, cls: type) -> str:
+    """Closest valid key: among this section's keys first, then among every dotted key of the schema."""
+    local = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(cls)], n=1, cutoff=0.6)
+    if local:
+        return f"; did you mean {prefix}{local[0]}?"
+    everywhere = difflib.get_close_matches(f"{prefix}{key}", _all_keys(Config), n=1, cutoff=0.6)
+    return f"; did you mean {everywhere[0]}?" if everywhere else ""
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _all_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Check (and minimally convert: int -> float, list -> tuple) one value against its annotation."""
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, f"{key}.")
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, key) for a, v in zip(args, value, strict=True))
+    if tp is float:
+        # YAML reads 1e-6 (no dot) as a string: accept numeric strings for floats only.
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is bool or tp is str:
+        if isinstance(value, tp):
+            return value
+    else:
+        raise AssertionError(f"config schema type {tp} of {key} is not handled")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if args and typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(_plain(to_dict(cfg)), sort_keys=False))
+    tmp.replace(path)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------- validation
+def validate(cfg: Config, world_size: int) -> None:
+    """Cross-field rules that need the world size; raise ConfigError on the first violation."""
+    d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
+
+    def require(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    require(world_size >= 1, f"world size must be >= 1, got {world_size}")
+    for key, val in [
+        ("data.max_prompt_length", d.max_prompt_length),
+        ("data.max_response_length", d.max_response_length),
+        ("data.rollout_batch_size", d.rollout_batch_size),
+        ("data.min_pixels", d.min_pixels),
+        ("worker.rollout.n", r.n),
+        ("worker.rollout.tensor_parallel_size", r.tensor_parallel_size),
+        ("worker.rollout.max_num_batched_tokens", r.max_num_batched_tokens),
+        ("worker.rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb),
+        ("worker.rollout.limit_images", r.limit_images),
+        ("worker.actor.global_batch_size", a.global_batch_size),
+        ("worker.actor.micro_batch_size_per_device_for_update", a.micro_batch_size_per_device_for_update),
+        (
+            "worker.actor.micro_batch_size_per_device_for_experience",
+            a.micro_batch_size_per_device_for_experience,
+        ),
+        ("worker.actor.ppo_epochs", a.ppo_epochs),
+        ("worker.actor.logprob_chunk_size", a.logprob_chunk_size),
+        ("trainer.total_epochs", cfg.trainer.total_epochs),
+    ]:
+        require(val > 0, f"{key} must be positive, got {val}")
+    require(
+        d.max_pixels >= d.min_pixels,
+        f"data.max_pixels ({d.max_pixels}) must be >= data.min_pixels ({d.min_pixels})",
+    )
+    require(
+        d.rollout_batch_size % world_size == 0,
+        f"data.rollout_batch_size ({d.rollout_batch_size}) must be divisible by the world size ({world_size})",
+    )
+    tp = r.tensor_parallel_size
+    require(
+        world_size % tp == 0,
+        f"worker.rollout.tensor_parallel_size ({tp}) must divide the world size ({world_size})",
+    )
+    num_samples = d.rollout_batch_size * r.n
+    require(
+        a.global_batch_size % world_size == 0,
+        f"worker.actor.global_batch_size ({a.global_batch_size}) must be divisible by the world size ({world_size})",
+    )
+    require(
+        num_samples % a.global_batch_size == 0,
+        f"data.rollout_batch_size * worker.rollout.n ({num_samples}) must be divisible by "
+        f"worker.actor.global_batch_size ({a.global_batch_size})",
+    )
+    per_rank_mini = a.global_batch_size // world_size
+    require(
+        per_rank_mini % a.micro_batch_size_per_device_for_update == 0,
+        f"worker.actor.global_batch_size / world size ({per_rank_mini}) must be divisible by "
+        f"worker.actor.micro_batch_size_per_device_for_update ({a.micro_batch_size_per_device_for_update})",
+    )
+    require(
+        0 <= a.clip_ratio_low < 1, f"worker.actor.clip_ratio_low must be in [0, 1), got {a.clip_ratio_low}"
+    )
+    require(a.clip_ratio_high >= 0, f"worker.actor.clip_ratio_high must be >= 0, got {a.clip_ratio_high}")
+    require(
+        a.clip_ratio_dual is None or a.clip_ratio_dual > 1,
+        f"worker.actor.clip_ratio_dual must be > 1 (or null), got {a.clip_ratio_dual}",
+    )
+    require(r.temperature > 0, f"worker.rollout.temperature must be > 0, got {r.temperature}")
+    require(0 < r.top_p <= 1, f"worker.rollout.top_p must be in (0, 1], got {r.top_p}")
+    require(0 < r.gpu_memory_utilization <= 1, "worker.rollout.gpu_memory_utilization must be in (0, 1]")
+    require(
+        0 <= d.max_bad_fraction <= 1, f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}"
+    )
+    ob = cfg.algorithm.overlong_buffer
+    require(
+        not ob.enable or 0 < ob.length <= d.max_response_length,
+        f"algorithm.overlong_buffer.length ({ob.length}) must be in (0, data.max_response_length={d.max_response_length}]",
+    )
+    require(
+        a.model.model_path != "", "worker.actor.model.model_path must be set (a local directory or HF id)"
+    )

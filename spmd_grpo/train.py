@@ -1,0 +1,225 @@
+"""GRPO for Qwen2.5-VL as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
+
+The same code runs on every rank, top to bottom:
+    rollout (push weights if the policy changed -> generate -> sleep) -> reward -> old logprobs
+    -> reference logprobs -> advantages -> update (mini-batches x micro-batches x ppo_epochs) -> metrics
+
+The config is loaded and validated against the world size from torchrun's environment BEFORE any process
+group or model exists; a config error prints one line on stderr and exits with code 2.
+
+Semantics (verl's unless noted; formulas in advantage.py / loss.py):
+  * Each rank owns rollout_batch_size / world prompts and all n samples of each; group statistics use
+    collectives anyway, so they stay right wherever a group's samples live.
+  * Old logprobs are recomputed by the trainer (not taken from vLLM) before the update. With one
+    mini-batch and one epoch they equal the current logprobs, so the ratio is exactly 1 at the update and
+    only the clip-free policy gradient acts (as in verl).
+  * Loss aggregation uses GLOBAL token/sequence counts of the mini-batch (all ranks, all micro-batches);
+    verl's legacy mean of micro-batch means is not reproduced. FSDP averages gradients over ranks, so the
+    per-rank loss is multiplied by the world size to recover the global sum.
+  * Rollout logprobs from vLLM are only used for `rollout/logprob_diff_*` (the mismatch users must see).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .config import Config, ConfigError, load_config, validate
+from .distributed import env_world_size
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0)
+    path = argv[0] if argv and "=" not in argv[0] else None
+    return path, argv[1:] if path is not None else argv
+
+
+def load_and_validate(argv: list[str]) -> Config:
+    path, overrides = parse_args(argv)
+    cfg = load_config(path, overrides)
+    validate(cfg, env_world_size())
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_and_validate(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    run(cfg)
+
+
+def run(cfg: Config) -> None:
+    import logging
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoProcessor
+
+    from . import distributed as D
+    from .advantage import compute_batch_std_advantages, compute_grpo_advantages
+    from .config import dump_yaml
+    from .data import PromptSampler, load_dataset
+    from .engine import RolloutEngine, iter_sharded_weights
+    from .metrics import MetricsWriter, Timer, console_line, global_means, global_stats
+    from .model import build_optimizer, build_policy, build_reference, clip_grad_norm, resolve_dtype
+    from .reward import load_reward_function, score_samples
+    from .rollout import Prompt, SamplingConfig, attach_pixel_values, generate
+    from .update import compute_logprobs, update_policy
+
+    world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    logging.basicConfig(
+        level=logging.INFO if world.is_main else logging.WARNING,
+        format=f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    log = logging.getLogger("spmd_grpo")
+    D.seed_everything(cfg.trainer.seed)
+    d, actor, rollout_cfg, alg = cfg.data, cfg.worker.actor, cfg.worker.rollout, cfg.algorithm
+
+    # ---- data, models, engine: built once
+    model_path = actor.model.model_path
+    processor = AutoProcessor.from_pretrained(
+        actor.model.tokenizer_path or model_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels
+    )
+    dataset = load_dataset(d, processor, "train")
+    sampler = PromptSampler(len(dataset), d.rollout_batch_size, world.rank, world.world_size, d.seed, d.shuffle)
+    total_steps = cfg.trainer.max_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
+    policy = build_policy(actor, world)
+    optim = build_optimizer(policy, actor.optim, total_steps)
+    reference = build_reference(actor, cfg.worker.ref.offload_params, world) if alg.use_kl_loss else None
+    tp_group = D.new_tp_groups(world, rollout_cfg.tensor_parallel_size)
+    tie = bool(policy.config.tie_word_embeddings)
+    rollout_dtype = resolve_dtype(rollout_cfg.dtype, world.device_type)
+    engine = RolloutEngine(
+        model_path, rollout_cfg, world,
+        max_model_len=d.max_prompt_length + d.max_response_length, dtype=rollout_dtype,
+        min_pixels=d.min_pixels, max_pixels=d.max_pixels, seed=cfg.trainer.seed, tie_word_embeddings=tie,
+    )
+    engine.stats.synced_version = 0  # the engine loaded the same weights from disk
+    reward_fn = load_reward_function(cfg.worker.reward.reward_function)
+    tokenizer = processor.tokenizer
+    stop_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    sampling = SamplingConfig(
+        rollout_cfg.n, rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, d.max_response_length,
+        cfg.trainer.seed,
+    )
+    frozen_vision = actor.model.freeze_vision_tower
+    writer = MetricsWriter(cfg.run_dir, world.is_main)
+    if world.is_main:
+        dump_yaml(cfg, cfg.run_dir / "config.yaml")
+        log.info("run dir %s; %d prompts, %d steps, world %d", cfg.run_dir, len(dataset), total_steps, world.world_size)
+
+    version = 0
+    bar = tqdm(total=total_steps, disable=not world.is_main, desc="grpo", dynamic_ncols=True)
+    for step in range(1, total_steps + 1):
+        timer = Timer(world.device_type)
+        with timer("step"):
+            # ---- rollout: push the policy if it changed, generate, release the engine's memory
+            batch = sampler.next_batch()
+            prompts = [
+                Prompt(uid, ex.prompt_token_ids, ex.images, ex.answer, {"data_source": ex.data_source})
+                for uid, pos in batch
+                for ex in [dataset[pos]]
+            ]
+
+            def push() -> None:
+                with timer("update_weights"):
+                    weights = iter_sharded_weights(
+                        policy, rollout_dtype, rollout_cfg.weight_sync_bucket_mb << 20, tie_word_embeddings=tie,
+                        skip=lambda name: frozen_vision and ".visual." in f".{name}",
+                    )
+                    engine.load_weights(weights, version)
+
+            with timer("gen"):
+                engine.prepare_for_rollout(push)
+                samples = generate(engine, prompts, sampling, step, tp_group=tp_group, stop_token_ids=stop_ids)
+                engine.sleep()
+            attach_pixel_values(samples, processor.image_processor)
+
+            # ---- reward
+            with timer("reward"):
+                rewards = score_samples(
+                    reward_fn,
+                    [
+                        {"response": s.response_text, "response_length": len(s.response_ids),
+                         "ground_truth": s.prompt.ground_truth, "uid": s.prompt.uid, **s.prompt.extra}
+                        for s in samples
+                    ],
+                    batch_name=f"step {step} rank {world.rank}",
+                )
+            scores = rewards["overall"]
+
+            # ---- old and reference logprobs (trainer side, forward only)
+            temperature = rollout_cfg.temperature
+            with timer("old_log_prob"):
+                old_logprobs = compute_logprobs(policy, samples, actor, temperature, tokenizer.pad_token_id)
+            ref_logprobs = None
+            if reference is not None:
+                with timer("ref"):
+                    ref_logprobs = compute_logprobs(reference, samples, actor, temperature, tokenizer.pad_token_id)
+
+            # ---- advantages: group statistics over all ranks
+            with timer("adv"):
+                group_index = torch.tensor([s.prompt.uid for s in samples], dtype=torch.long)
+                if alg.adv_std_scope == "batch":
+                    advantages, adv_metrics = compute_batch_std_advantages(
+                        scores, group_index, d.rollout_batch_size, eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum
+                    )
+                else:
+                    advantages, adv_metrics = compute_grpo_advantages(
+                        scores, group_index, d.rollout_batch_size, eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum,
+                        norm_by_std=alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo,
+                    )
+
+            # ---- update
+            with timer("update_actor"):
+                update_metrics = update_policy(
+                    policy, optim, samples, old_logprobs, ref_logprobs, advantages, actor, alg, d, temperature,
+                    tokenizer.pad_token_id, world, clip_grad_norm,
+                )
+            version += 1
+
+        # ---- metrics (global over ranks)
+        m = timer.metrics()
+        m.update(update_metrics)
+        m.update({f"adv/{k.split('/')[-1]}": v for k, v in adv_metrics.items()})
+        m.update(global_stats("critic/score", scores))
+        m.update(global_stats("critic/rewards", scores))
+        m.update(global_stats("critic/advantages", advantages))
+        m.update(global_means({f"reward/{k}": (float(v.sum()), v.numel()) for k, v in rewards.items() if k != "overall"}))
+        response_lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+        prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float64)
+        m.update(global_stats("response_length", response_lengths))
+        m.update(global_stats("prompt_length", prompt_lengths))
+        clipped = sum(len(s.response_ids) >= d.max_response_length for s in samples)
+        diffs = [abs(a - b) for s, old in zip(samples, old_logprobs, strict=True)
+                 for a, b in zip(s.rollout_logprobs, old.tolist(), strict=True)]
+        m.update(global_means({
+            "response_length/clip_ratio": (clipped, len(samples)),
+            "rollout/logprob_diff_mean": (sum(diffs), len(diffs)),
+        }))
+        m["rollout/logprob_diff_max"] = float(D.all_reduce_max(torch.tensor([max(diffs, default=0.0)])))
+        total_tokens = float(D.all_reduce_sum(torch.tensor([float(response_lengths.sum() + prompt_lengths.sum())],
+                                                           dtype=torch.float64)))
+        m["perf/total_num_tokens"] = total_tokens
+        m["perf/time_per_step"] = m["timing_s/step"]
+        m["perf/throughput"] = total_tokens / (m["timing_s/step"] * world.world_size)
+        m["perf/max_memory_allocated_gb"] = float(D.all_reduce_max(torch.tensor([D.max_memory_allocated_gb(world.device_type)])))
+        m["perf/cpu_memory_used_gb"] = float(D.all_reduce_max(torch.tensor([D.cpu_memory_used_gb()])))
+        writer.write(step, m)
+        if world.is_main:
+            bar.update(1)
+            if step % cfg.trainer.log_every == 0 or step == total_steps:
+                bar.write(console_line(step, total_steps, m))
+    bar.close()
+    D.barrier()
+    D.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Config: strict keys and types, dotted overrides, cross-field rules, and the CLI's exit code 2."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spmd_grpo.config import Config, ConfigError, load_config, validate
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["worker.actor.model.model_path=/models/x"]
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(
+        None, [*BASE, "data.max_prompt_length=1024", "worker.rollout.n=8", "worker.actor.optim.lr=1e-6"]
+    )
+    assert isinstance(cfg, Config)
+    assert cfg.data.max_prompt_length == 1024 and cfg.worker.rollout.n == 8
+    assert cfg.worker.actor.optim.lr == 1e-6 and isinstance(cfg.worker.actor.optim.lr, float)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.data.max_prompt_length = 3
+
+
+def test_yaml_then_override(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        yaml.safe_dump({"worker": {"rollout": {"n": 4}, "actor": {"model": {"model_path": "m"}}}})
+    )
+    cfg = load_config(path, ["worker.rollout.n=2"])
+    assert cfg.worker.rollout.n == 2 and cfg.worker.actor.model.model_path == "m"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "worker.rollout.tensor_paralel_size=2",
+            "unknown config key worker.rollout.tensor_paralel_size; did you mean worker.rollout.tensor_parallel_size?",
+        ),
+        ("data.max_promt_length=3", "did you mean data.max_prompt_length?"),
+        ("worker.rolout.n=3", "unknown config key worker.rolout; did you mean worker.rollout?"),
+        ("worker.rollout.n=eight", "worker.rollout.n: expected int, got str 'eight'"),
+        ("worker.rollout.n=true", "worker.rollout.n: expected int, got bool True"),
+        ("worker.rollout.sleep_level=3", "worker.rollout.sleep_level: must be one of 1, 2, got 3"),
+        ("trainer=5", "trainer: expected a section (mapping), got int 5"),
+    ],
+)
+def test_bad_keys_and_types(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*BASE, override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            ["data.rollout_batch_size=3"],
+            2,
+            "data.rollout_batch_size (3) must be divisible by the world size (2)",
+        ),
+        (
+            ["worker.rollout.tensor_parallel_size=4"],
+            2,
+            "tensor_parallel_size (4) must divide the world size (2)",
+        ),
+        (
+            ["worker.actor.global_batch_size=6"],
+            4,
+            "global_batch_size (6) must be divisible by the world size (4)",
+        ),
+        (
+            ["data.rollout_batch_size=4", "worker.rollout.n=3", "worker.actor.global_batch_size=8"],
+            2,
+            "data.rollout_batch_size * worker.rollout.n (12) must be divisible by worker.actor.global_batch_size (8)",
+        ),
+        (
+            ["worker.actor.micro_batch_size_per_device_for_update=3"],
+            2,
+            "micro_batch_size_per_device_for_update (3)",
+        ),
+        (["data.max_response_length=0"], 1, "data.max_response_length must be positive, got 0"),
+        (["worker.actor.clip_ratio_dual=0.5"], 1, "clip_ratio_dual must be > 1"),
+    ],
+)
+def test_cross_field_rules(overrides, world, message):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [*BASE, *overrides]), world)
+    assert message in str(e.value)
+
+
+def test_every_shipped_config_validates():
+    configs = sorted((REPO / "configs").glob("*.yaml"))
+    assert configs, "no configs shipped"
+    for path in configs:
+        cfg = load_config(path)
+        if not cfg.worker.actor.model.model_path:  # smoke.yaml: filled in by spmd_grpo.smoke
+            cfg = load_config(path, BASE)
+        world = cfg.worker.rollout.tensor_parallel_size * 4
+        validate(cfg, world if "smoke" not in path.name else 2)
+
+
+def _run_cli(tmp_path, argv, world_size):
+    # WORLD_SIZE=2 with no second rank: if the CLI tried to create a process group it would wait for the
+    # missing peer (until timeout) instead of exiting at once.
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29599",
+    }
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "spmd_grpo.train", *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "yaml_text, overrides, expected",
+    [
+        (
+            "worker:\n  rollout:\n    temperatur: 0.7\n",
+            [],
+            "unknown config key worker.rollout.temperatur; did you mean worker.rollout.temperature?",
+        ),
+        ("worker:\n  rollout:\n    n: lots\n", [], "worker.rollout.n: expected int, got str 'lots'"),
+        (
+            "data:\n  rollout_batch_size: 5\n",
+            [],
+            "data.rollout_batch_size (5) must be divisible by the world size (2)",
+        ),
+    ],
+    ids=["typo", "wrong-type", "not-divisible"],
+)
+def test_cli_config_error_exits_2_with_one_line(tmp_path, yaml_text, overrides, expected):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "worker:\n  actor:\n    model:\n      model_path: m\n" + yaml_text
+        if "worker:" not in yaml_text
+        else yaml_text.replace("worker:\n", "worker:\n  actor:\n    model:\n      model_path: m\n", 1)
+    )
+    proc, _ = _run_cli(tmp_path, [str(cfg), *overrides], world_size=2)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"config error: {expected}"], proc.stderr
+    assert "Traceback" not in proc.stderr
