@@ -1,0 +1,230 @@
+"""Build a tiny random Qwen2.5-VL checkpoint with no download: model, tokenizer, chat template, processor.
+
+    python -m spmd_grpo.tools.make_tiny_model OUT_DIR [--seed S] [--tie-word-embeddings] [--hidden-size H ...]
+
+The result loads in transformers (`AutoModelForImageTextToText`, `AutoProcessor`) and in vLLM, exactly like a
+real Qwen2.5-VL directory, so tests and the smoke job exercise the production loading path. Deterministic for a
+seed (same bytes for the same seed and options).
+
+Constraints from vLLM's CPU backend (shared/VERIFIED-FACTS.md): attention head size must be one of 32, 64, 80,
+... so head_dim is 32 or 64, and mrope_section must sum to head_dim / 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# Qwen2-VL / Qwen2.5-VL's own chat template (as shipped in their tokenizer_config.json).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Text the BPE merges are learnt from: chat scaffolding, the smoke task's words, geometry-style problems.
+_CORPUS = [
+    "system\nYou are a helpful assistant.\nuser\nassistant\n",
+    "Which color is the image? Answer with a digit. How many shapes are there? Answer with one digit.",
+    "red green blue yellow black white 0 1 2 3 4 5 6 7 8 9 10 12 15 20 25 30 45 60 90 180 360",
+    "Find x. Find the area of the triangle. Find the measure of angle ABC. Round to the nearest tenth.",
+    "You FIRST think about the reasoning process as an internal monologue and then provide the final answer.",
+    "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}.",
+    "<think> the answer is </think> \\boxed{4} \\frac{1}{2} \\sqrt{3} \\pi x^2 + y = 7.5 degrees",
+]
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    seed: int = 0
+    tie_word_embeddings: bool = False
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    vision_hidden_size: int = 64
+    vision_depth: int = 2
+    vision_num_heads: int = 2
+    vocab_merges: int = 200
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def build_tokenizer(num_merges: int):
+    """Byte-level BPE trained on a fixed corpus; deterministic. Returns a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + num_merges,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    # Specials are added after training so their ids sit at the end, as in Qwen's vocabulary.
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = QWEN_VL_CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a tiny random Qwen2.5-VL (model + tokenizer + processor) into out_dir and return it."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    if spec.head_dim not in (32, 64):
+        raise ValueError(f"head_dim {spec.head_dim} not supported by vLLM's CPU attention: use 32 or 64")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(spec.vocab_merges)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = len(tokenizer)
+    vocab_size += -vocab_size % 64  # padded like real checkpoints (vLLM shards the vocab)
+
+    half = spec.head_dim // 2
+    mrope_section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            max_position_embeddings=8192,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope_section},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            initializer_range=spec.init_std,
+            tie_word_embeddings=spec.tie_word_embeddings,
+        ),
+        vision_config=dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=2 * spec.vision_hidden_size,
+            num_heads=spec.vision_num_heads,
+            out_hidden_size=spec.hidden_size,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[spec.vision_depth - 1],
+            initializer_range=spec.init_std,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(spec.seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(out, safe_serialization=True)
+
+    image_processor = Qwen2VLImageProcessor(min_pixels=3136, max_pixels=262144, patch_size=14, merge_size=2)
+    video_processor = Qwen2VLVideoProcessor(patch_size=14, merge_size=2)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=1))
+    return out
+
+
+def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """A tiny model for `spec` under cache_dir, built on first use; keyed by the spec and this file's code."""
+    import hashlib
+    import os
+    import shutil
+
+    key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode() + Path(__file__).read_bytes()).hexdigest()
+    out = Path(cache_dir) / "tiny_models" / key[:12]
+    if not (out / "model.safetensors").exists():
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        make_tiny_model(tmp, spec)
+        if out.exists():  # another process finished first: keep its copy
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    for f, default in asdict(TinyModelSpec()).items():
+        flag = "--" + f.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+    args = vars(parser.parse_args(argv))
+    out = make_tiny_model(args.pop("out_dir"), TinyModelSpec(**args))
+    num_params = sum(
+        v.numel()
+        for v in __import__("safetensors.torch").torch.load_file(str(out / "model.safetensors")).values()
+    )
+    print(f"wrote tiny Qwen2.5-VL ({num_params / 1e6:.2f}M parameters) to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random Qwen2.5-VL checkpoints (built once, cached) and a real torchrun launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("SPMD_GRPO_CACHE", REPO / ".cache"))
+
+
+def tiny_model(tie_word_embeddings: bool = False, **spec_kwargs) -> Path:
+    """Directory of a tiny random Qwen2.5-VL for this spec, built on first use and cached."""
+    from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
+
+    return cached_tiny_model(CACHE, TinyModelSpec(tie_word_embeddings=tie_word_embeddings, **spec_kwargs))
+
+
+@pytest.fixture(scope="session")
+def tiny_untied() -> Path:
+    return tiny_model(tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied() -> Path:
+    return tiny_model(tie_word_embeddings=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(
+    args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node nproc ARGS` (gloo on CPU); fail the test with the output's tail."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
