@@ -1,0 +1,303 @@
+"""The rollout half of the hybrid engine: one in-process vLLM `LLM` per rank, and the weight stream into it.
+
+Every rank builds `LLM(distributed_executor_backend="external_launcher")` after the trainer's process group
+exists; consecutive ranks form a tensor-parallel group (`worker.rollout.tensor_parallel_size`) and use the
+same engine seed, so the ranks of a group sample identically (per-request seeds make it independent of
+batching too).
+
+Call order of one step on CUDA/NPU (shared/DESIGN-NOTES.md): empty cache -> wake(weights) -> push weights ->
+empty cache -> wake(kv_cache) -> generate -> sleep(level). Waking everything at once can OOM (old weights +
+new weights + KV cache). On CPU vLLM has no sleep mode: it is skipped with one log line.
+
+Weight sync (`iter_sharded_weights`): parameters are streamed in bounded buckets (grouped by layer, up to
+`weight_sync_bucket_mb`), each FSDP2 local shard cast to the rollout dtype BEFORE one all-gather per bucket
+(half the traffic of gathering fp32 masters), yielding HF names; the peak extra memory is about one bucket
+plus one layer's buffering inside vLLM, never the model. `lm_head.weight` is yielded for tied models (vLLM
+otherwise keeps the old head). After a push the prefix, multimodal and encoder caches are reset (stale image
+embeddings otherwise; vLLM also failed with "Encoder cache miss" without the reset). A push is skipped when
+the policy version has not changed.
+
+Vision special tokens (`<|image_pad|>` etc.) can never be sampled: a logits processor sets them to -inf in
+vLLM, and `logprobs.py` applies the same mask, so vLLM's `processed_logprobs` and the trainer's logprobs
+describe the same distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import RolloutConfig
+from .distributed import World, empty_cache
+
+log = logging.getLogger(__name__)
+
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def unsamplable_token_ids(hf_config) -> list[int]:
+    """Token ids that must never be sampled (the vision placeholders), read from the model config."""
+    return sorted(
+        {int(getattr(hf_config, k)) for k in VISION_TOKEN_KEYS if getattr(hf_config, k, None) is not None}
+    )
+
+
+def _make_suppress_processor():
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class SuppressVisionTokens(LogitsProcessor):
+        """Set the vision special tokens' logits to -inf for every request."""
+
+        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+            ids = unsamplable_token_ids(vllm_config.model_config.hf_config)
+            self.ids = torch.tensor(ids, dtype=torch.long, device=device)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            logits.index_fill_(1, self.ids, float("-inf"))
+            return logits
+
+    return SuppressVisionTokens
+
+
+@dataclass
+class EngineStats:
+    synced_version: int = -1
+    num_syncs: int = 0
+    last_sync_s: float = 0.0
+    last_sync_bytes: int = 0
+
+
+class RolloutEngine:
+    """One vLLM engine per rank, driven in-process (no Ray, no server)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        world: World,
+        *,
+        max_model_len: int,
+        dtype: torch.dtype,
+        min_pixels: int,
+        max_pixels: int,
+        seed: int,
+        tie_word_embeddings: bool,
+    ) -> None:
+        from vllm import LLM
+
+        self.cfg, self.world, self.dtype = cfg, world, dtype
+        self.tie_word_embeddings = tie_word_embeddings
+        self.tp = cfg.tensor_parallel_size
+        self.sleep_enabled = cfg.enable_sleep_mode and world.device_type != "cpu"
+        if cfg.enable_sleep_mode and world.device_type == "cpu" and world.is_main:
+            log.info("worker.rollout.enable_sleep_mode ignored: vLLM has no sleep mode on CPU")
+        if world.device_type == "cpu":
+            # vLLM's CPU backend sizes its KV cache from this variable instead of a memory fraction.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_memory_gb))))
+        # Seeded requests + chunked prefill crash on CPU ("CPU Generator does not use offset"); with chunked
+        # prefill off, one scheduler step must hold the largest prompt.
+        self.llm = LLM(
+            model=model_path,
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=self.tp,
+            seed=seed + world.rank // self.tp,
+            dtype=dtype,
+            enforce_eager=cfg.enforce_eager,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_enabled,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
+            max_num_seqs=cfg.max_num_seqs,
+            enable_chunked_prefill=False,
+            limit_mm_per_prompt={"image": cfg.limit_images, "video": 0},
+            mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+            logprobs_mode="processed_logprobs",
+            logits_processors=[_make_suppress_processor()],
+        )
+        self.stats = EngineStats()
+        self.asleep = False
+
+    # ----------------------------------------------------------------------------------- sleep / wake
+    def sleep(self) -> None:
+        """Release weights (level 2) or offload them (level 1) and the KV cache until the next rollout."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=self.cfg.sleep_level)
+            empty_cache(self.world.device_type)
+            self.asleep = True
+
+    def _wake(self, tags: list[str]) -> None:
+        if self.sleep_enabled and self.asleep:
+            empty_cache(self.world.device_type)
+            self.llm.wake_up(tags=tags)
+
+    def prepare_for_rollout(self, push_weights: Callable[[], None]) -> None:
+        """wake(weights) -> push -> empty cache -> wake(kv_cache): never old + new weights + KV at once."""
+        self._wake(["weights"])
+        push_weights()
+        self._wake(["kv_cache"])
+        self.asleep = False
+
+    # ------------------------------------------------------------------------------------ weight sync
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stream `(hf_name, full_tensor)` into the engine, then drop every cache derived from old weights."""
+        if version == self.stats.synced_version:
+            return
+        start = time.perf_counter()
+        counted = _CountingIterator(weights)
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        if hasattr(worker, "reload_weights"):
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True}
+            )
+        else:  # e.g. vllm-ascend's NPU worker: load into the model directly
+            worker.model_runner.model.load_weights(counted)
+        self.reset_caches()
+        self.stats.synced_version = version
+        self.stats.num_syncs += 1
+        self.stats.last_sync_s = time.perf_counter() - start
+        self.stats.last_sync_bytes = counted.num_bytes
+
+    def reset_caches(self) -> None:
+        self.llm.reset_prefix_cache()
+        self.llm.reset_mm_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+
+    def generate(self, prompts: list, sampling_params: list) -> list:
+        return self.llm.generate(prompts, sampling_params, use_tqdm=False)
+
+
+class _CountingIterator:
+    def __init__(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.it, self.num_bytes = it, 0
+
+    def __iter__(self):
+        for name, t in self.it:
+            self.num_bytes += t.numel() * t.element_size()
+            yield name, t
+
+
+# ------------------------------------------------------------------------------ sharded weight stream
+def hf_name(fsdp_name: str) -> str:
+    """Parameter name as in the HF checkpoint (drops activation-checkpoint / compile wrapper prefixes)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        fsdp_name = fsdp_name.replace(wrapper, "")
+    return fsdp_name.removeprefix("hf.")  # PolicyModule's attribute
+
+
+def _layer_key(name: str) -> str:
+    """Parameters of one decoder layer / vision block share a key, so buckets never split a layer."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def iter_sharded_weights(
+    model: nn.Module,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    tie_word_embeddings: bool,
+    skip: Callable[[str], bool] = lambda name: False,
+    on_bucket: Callable[[int], None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full tensor in dtype)` for every parameter, gathering one bucket at a time.
+
+    Every rank must call this with the same model and arguments (the all-gathers are collective). Buckets
+    are whole layers, filled up to `bucket_bytes` of the gathered (rollout-dtype) size; a layer bigger than
+    a bucket forms its own bucket. `skip(name)` drops parameters (e.g. a frozen vision tower after the first
+    push); it must give the same answer on every rank. `on_bucket(bytes)` observes each gathered bucket.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    params = [(hf_name(n), p) for n, p in model.named_parameters() if not skip(hf_name(n))]
+    embed_name = next((n for n, _ in params if n.endswith("embed_tokens.weight")), None)
+
+    # Group by layer, then pack consecutive layers into buckets.
+    layers: list[list[tuple[str, torch.Tensor]]] = []
+    for name, p in params:
+        if layers and _layer_key(layers[-1][0][0]) == _layer_key(name):
+            layers[-1].append((name, p))
+        else:
+            layers.append([(name, p)])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for layer in layers:
+        layer_bytes = sum(p.numel() * itemsize for _, p in layer)
+        if buckets and size + layer_bytes <= bucket_bytes:
+            buckets[-1].extend(layer)
+            size += layer_bytes
+        else:
+            buckets.append(list(layer))
+            size = layer_bytes
+
+    for bucket in buckets:
+        sharded = [(n, p) for n, p in bucket if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)]
+        gathered = _GatheredBucket(sharded, dtype) if sharded else None
+        if on_bucket is not None:
+            on_bucket(gathered.num_bytes if gathered else 0)
+        for n, p in bucket:
+            if gathered is not None and n in gathered.layout:
+                t = gathered.take(n)
+            else:  # replicated, or a plain tensor in an unsharded model
+                t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(dtype)
+            yield n, t
+            if tie_word_embeddings and n == embed_name:
+                yield "lm_head.weight", t
+            del t
+        del gathered
+
+
+class _GatheredBucket:
+    """One all-gather for a bucket of FSDP2 dim-0 shards, each cast to `dtype` before it travels.
+
+    FSDP2 splits dim 0 like torch.chunk: rank r holds rows [r*c, min(N, (r+1)*c)) with c = ceil(N / world).
+    Each rank pads its shard to c rows so every rank contributes the same flat size. The receive buffer is
+    rank-major, so a parameter's rows are strided in it: `take` copies one parameter out at a time (peak =
+    this bucket + the parameters the consumer still holds, never two buckets).
+    """
+
+    def __init__(self, sharded: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+        group = sharded[0][1].device_mesh.get_group()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.layout: dict[
+            str, tuple[tuple[int, ...], int, int, int]
+        ] = {}  # name -> (shape, rows, offset, numel)
+        pieces, offset = [], 0
+        for name, p in sharded:
+            c = math.ceil(p.shape[0] / world)
+            numel = c * math.prod(p.shape[1:])
+            local = p.to_local().detach()
+            expected_rows = max(0, min(p.shape[0], (rank + 1) * c) - rank * c)
+            assert local.shape[0] == expected_rows, (name, tuple(local.shape), expected_rows)
+            flat = local.to(dtype).reshape(-1)
+            pieces.append(torch.nn.functional.pad(flat, (0, numel - flat.numel())))
+            self.layout[name] = (tuple(p.shape), c, offset, numel)
+            offset += numel
+        send = torch.cat(pieces)
+        del pieces
+        self.recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+        dist.all_gather_into_tensor(self.recv, send, group=group)
+        self.world = world
+        self.num_bytes = self.recv.numel() * self.recv.element_size()
+
+    def take(self, name: str) -> torch.Tensor:
+        shape, c, offset, numel = self.layout[name]
+        per_rank = self.recv.view(self.world, -1)[:, offset : offset + numel]
+        return per_rank.reshape(self.world * c, *shape[1:])[: shape[0]].contiguous()

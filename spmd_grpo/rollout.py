@@ -1,0 +1,139 @@
+"""Rollout: turn this rank's prompts into sampled responses with the in-process vLLM engine.
+
+Each rank owns its prompts and all `n` samples of each (GRPO groups are local by default). With tensor
+parallelism the ranks of a TP group (consecutive ranks) must submit identical requests: prompts are
+all-gathered inside the group, the group generates all of them, and each rank keeps exactly the outputs of
+its own prompts.
+
+Every request carries its own seed, derived from (seed, step, prompt uid, sample index): the samples do not
+depend on how requests are batched or which rank generates them, and resuming a run reproduces them.
+`n` samples are submitted as n single-sample requests (vLLM would give n>1 children one shared seed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from .distributed import all_gather_objects
+
+
+@dataclass
+class Prompt:
+    """One prompt as the engine and the trainer see it."""
+
+    uid: int  # global index of the prompt in this step's batch: groups are keyed by it
+    prompt_token_ids: list[int]  # chat-templated, ONE <|image_pad|> per image (vLLM expands it)
+    images: list[Image.Image] = field(default_factory=list)
+    ground_truth: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # data_source, problem text, ...
+
+
+@dataclass
+class Sample:
+    """One sampled response, with everything the trainer needs to recompute its logprobs."""
+
+    prompt: Prompt
+    sample_index: int  # 0..n-1 within the prompt's group
+    prompt_ids: list[int]  # expanded by vLLM: one pad token per merged image patch
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # vLLM's processed logprobs of the sampled tokens
+    response_text: str
+    finish_reason: str  # "stop" | "length"
+    pixel_values: torch.Tensor | None = None  # trainer-side, same processor settings as vLLM
+    image_grid_thw: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int
+
+
+def request_seed(seed: int, step: int, uid: int, sample_index: int) -> int:
+    """A per-request seed that is a pure function of its coordinates (fits in 63 bits)."""
+    return (((seed * 1_000_003 + step) * 1_000_033 + uid) * 1_009 + sample_index) % (2**63 - 1)
+
+
+def generate(
+    engine,
+    prompts: list[Prompt],
+    sampling: SamplingConfig,
+    step: int,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    stop_token_ids: list[int],
+    keep_all: bool = False,
+) -> list[Sample]:
+    """Sample `n` responses for each of this rank's prompts; returns them in (prompt, sample) order.
+
+    `keep_all` returns the whole TP group's samples instead (tests check that the group agrees).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    group_prompts = [prompts] if tp_group is None else all_gather_objects(prompts, group=tp_group)
+    my_slot = 0 if tp_group is None else dist.get_rank(tp_group)
+    requests, params, owner = [], [], []
+    for slot, rank_prompts in enumerate(group_prompts):
+        for p in rank_prompts:
+            for k in range(sampling.n):
+                data = {"prompt_token_ids": p.prompt_token_ids}
+                if p.images:
+                    data["multi_modal_data"] = {"image": list(p.images)}
+                requests.append(TokensPrompt(**data))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        top_k=sampling.top_k,
+                        max_tokens=sampling.max_tokens,
+                        seed=request_seed(sampling.seed, step, p.uid, k),
+                        logprobs=0,
+                        stop_token_ids=stop_token_ids,
+                        skip_special_tokens=True,
+                        detokenize=True,
+                    )
+                )
+                owner.append((slot, p, k))
+    outputs = engine.generate(requests, params)
+    samples = []
+    for (slot, p, k), out in zip(owner, outputs, strict=True):
+        if slot != my_slot and not keep_all:
+            continue
+        completion = out.outputs[0]
+        ids = list(completion.token_ids)
+        logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, ids, strict=True)]
+        samples.append(
+            Sample(
+                prompt=p,
+                sample_index=k,
+                prompt_ids=list(out.prompt_token_ids),
+                response_ids=ids,
+                rollout_logprobs=logprobs,
+                response_text=completion.text,
+                finish_reason=completion.finish_reason or "length",
+            )
+        )
+    return samples
+
+
+def attach_pixel_values(samples: list[Sample], image_processor) -> None:
+    """Trainer-side pixel values, computed once per prompt and shared by its n samples."""
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for s in samples:
+        if not s.prompt.images:
+            continue
+        if s.prompt.uid not in cache:
+            enc = image_processor(images=s.prompt.images, return_tensors="pt")
+            cache[s.prompt.uid] = (enc["pixel_values"], enc["image_grid_thw"])
+        s.pixel_values, s.image_grid_thw = cache[s.prompt.uid]
