@@ -1,0 +1,182 @@
+"""torchrun job: FSDP2 policy + in-process vLLM per rank; generate with images, update, push, compare.
+
+    torchrun --nproc_per_node 2 tests/jobs/engine_parity.py MODEL_DIR OUT_JSON [--tp 2]
+
+Prompts alternate between 1 and 2 images. Writes one JSON per rank (OUT_JSON with `.rank{r}` before the
+suffix) holding:
+  pre_diff_max       max |vLLM - trainer| per response token before any update (both at the initial weights)
+  new_diff_max       after an optimizer step + weight push: max |vLLM - trainer(new weights)|
+  old_diff_max       on the same samples: max |vLLM - trainer(old weights)| (shows the engine's logprobs moved)
+  nosync_new_diff_max  after a second optimizer step WITHOUT a push: max |vLLM - trainer(new weights)|
+                       (large: proves the parity check can fail)
+  nosync_old_diff_max  ... and against the weights the engine still holds (small)
+  group_outputs      token ids of every sample the TP group generated (identical within a group)
+  own_uids           uids of the prompts whose samples this rank kept
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
+from spmd_grpo.distributed import init_distributed, new_tp_groups
+from spmd_grpo.engine import RolloutEngine, iter_sharded_weights
+from spmd_grpo.logprobs import collate
+from spmd_grpo.model import build_policy
+from spmd_grpo.rollout import Prompt, SamplingConfig, attach_pixel_values, generate
+
+COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
+
+
+def make_prompts(processor, rank: int, per_rank: int) -> list[Prompt]:
+    prompts = []
+    for i in range(per_rank):
+        uid = rank * per_rank + i
+        num_images = 1 + i % 2
+        images = [
+            Image.new("RGB", (56 + 28 * ((uid + j) % 2), 56), COLORS[(uid + j) % len(COLORS)])
+            for j in range(num_images)
+        ]
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": f"Which color? {uid}"}]
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
+        ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts.append(Prompt(uid=uid, prompt_token_ids=ids, images=images))
+    return prompts
+
+
+def trainer_logprobs(policy, samples, pad_id: int) -> list[list[float]]:
+    batch = collate(
+        [s.prompt_ids for s in samples],
+        [s.response_ids for s in samples],
+        [s.pixel_values for s in samples],
+        [s.image_grid_thw for s in samples],
+        pad_id,
+    )
+    with torch.no_grad():
+        lp, _ = policy(batch)
+    return [lp[i, : len(s.response_ids)].tolist() for i, s in enumerate(samples)]
+
+
+def max_diff(samples, trainer_lps) -> float:
+    return max(
+        (
+            abs(a - b)
+            for s, t in zip(samples, trainer_lps, strict=True)
+            for a, b in zip(s.rollout_logprobs, t, strict=True)
+        ),
+        default=0.0,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("out_json")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--prompts-per-rank", type=int, default=2)
+    args = ap.parse_args()
+
+    from transformers import AutoProcessor
+
+    world = init_distributed("cpu")
+    torch.manual_seed(0)
+    tp_group = new_tp_groups(world, args.tp)
+    processor = AutoProcessor.from_pretrained(args.model_dir)
+    actor = ActorConfig(model=ModelConfig(model_path=args.model_dir), fsdp=FSDPConfig(param_dtype="float32"))
+    policy = build_policy(actor, world)
+    tie = bool(policy.config.tie_word_embeddings)
+    rollout_cfg = RolloutConfig(tensor_parallel_size=args.tp, dtype="float32", limit_images=2)
+    engine = RolloutEngine(
+        args.model_dir,
+        rollout_cfg,
+        world,
+        max_model_len=1024,
+        dtype=torch.float32,
+        min_pixels=3136,
+        max_pixels=262144,
+        seed=0,
+        tie_word_embeddings=tie,
+    )
+    pad_id = processor.tokenizer.pad_token_id
+    eos = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    prompts = make_prompts(processor, world.rank, args.prompts_per_rank)
+    sampling = SamplingConfig(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=12, seed=0)
+
+    def rollout(step: int, keep_all: bool = False):
+        samples = generate(
+            engine, prompts, sampling, step, tp_group=tp_group, stop_token_ids=eos, keep_all=keep_all
+        )
+        attach_pixel_values(samples, processor.image_processor)
+        return samples
+
+    # 1. Before any update: engine (loaded from disk) and trainer agree.
+    s1 = rollout(step=0)
+    pre_diff = max_diff(s1, trainer_logprobs(policy, s1, pad_id))
+
+    # 2. A real optimizer step (large lr so every weight, tied head included, moves visibly), then a push.
+    optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-2)
+
+    def update_and_compare(samples, step: int, push: bool) -> tuple[float, float]:
+        batch = collate(
+            [s.prompt_ids for s in samples],
+            [s.response_ids for s in samples],
+            [s.pixel_values for s in samples],
+            [s.image_grid_thw for s in samples],
+            pad_id,
+        )
+        optim.zero_grad()
+        lp, _ = policy(batch)
+        (-(lp * batch.response_mask).sum() / batch.response_mask.sum()).backward()
+        old_shards = [p.to_local().detach().clone() for p in policy.parameters()]
+        optim.step()
+        if push:
+            engine.load_weights(
+                iter_sharded_weights(policy, torch.float32, 1 << 20, tie_word_embeddings=tie), version=step
+            )
+        # 3. The engine must now sample from (and report logprobs of) the weights it was given.
+        after = rollout(step=step)
+        new_lps = trainer_logprobs(policy, after, pad_id)
+        new_shards = [p.to_local().detach().clone() for p in policy.parameters()]
+        with torch.no_grad():
+            for p, old in zip(policy.parameters(), old_shards, strict=True):
+                p.to_local().copy_(old)
+        old_lps = trainer_logprobs(policy, after, pad_id)
+        with torch.no_grad():
+            for p, new in zip(policy.parameters(), new_shards, strict=True):
+                p.to_local().copy_(new)
+        return max_diff(after, new_lps), max_diff(after, old_lps), after
+
+    new_diff, old_diff, s2 = update_and_compare(s1, step=1, push=True)
+    nosync_new, nosync_old, _ = update_and_compare(s2, step=2, push=False)
+
+    group = rollout(step=3, keep_all=True)
+    result = {
+        "rank": world.rank,
+        "tp": args.tp,
+        "tied": tie,
+        "pre_diff_max": pre_diff,
+        "new_diff_max": new_diff,
+        "old_diff_max": old_diff,
+        "nosync_new_diff_max": nosync_new,
+        "nosync_old_diff_max": nosync_old,
+        "num_response_tokens": sum(len(s.response_ids) for s in s2),
+        "own_uids": sorted({s.prompt.uid for s in s2}),
+        "my_prompt_uids": [p.uid for p in prompts],
+        "group_outputs": [[s.prompt.uid, s.sample_index, s.response_ids] for s in group],
+        "sync_bytes": engine.stats.last_sync_bytes,
+    }
+    out = Path(args.out_json)
+    out.with_name(f"{out.stem}.rank{world.rank}{out.suffix}").write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "group_outputs"}), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
