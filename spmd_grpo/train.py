@@ -87,7 +87,9 @@ def run(cfg: Config) -> None:
         actor.model.tokenizer_path or model_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels
     )
     dataset = load_dataset(d, processor, "train")
-    sampler = PromptSampler(len(dataset), d.rollout_batch_size, world.rank, world.world_size, d.seed, d.shuffle)
+    sampler = PromptSampler(
+        len(dataset), d.rollout_batch_size, world.rank, world.world_size, d.seed, d.shuffle
+    )
     total_steps = cfg.trainer.max_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
     policy = build_policy(actor, world)
     optim = build_optimizer(policy, actor.optim, total_steps)
@@ -96,23 +98,53 @@ def run(cfg: Config) -> None:
     tie = bool(policy.config.tie_word_embeddings)
     rollout_dtype = resolve_dtype(rollout_cfg.dtype, world.device_type)
     engine = RolloutEngine(
-        model_path, rollout_cfg, world,
-        max_model_len=d.max_prompt_length + d.max_response_length, dtype=rollout_dtype,
-        min_pixels=d.min_pixels, max_pixels=d.max_pixels, seed=cfg.trainer.seed, tie_word_embeddings=tie,
+        model_path,
+        rollout_cfg,
+        world,
+        max_model_len=d.max_prompt_length + d.max_response_length,
+        dtype=rollout_dtype,
+        min_pixels=d.min_pixels,
+        max_pixels=d.max_pixels,
+        seed=cfg.trainer.seed,
+        tie_word_embeddings=tie,
     )
     engine.stats.synced_version = 0  # the engine loaded the same weights from disk
     reward_fn = load_reward_function(cfg.worker.reward.reward_function)
     tokenizer = processor.tokenizer
-    stop_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    stop_ids = [
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    ]
     sampling = SamplingConfig(
-        rollout_cfg.n, rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, d.max_response_length,
+        rollout_cfg.n,
+        rollout_cfg.temperature,
+        rollout_cfg.top_p,
+        rollout_cfg.top_k,
+        d.max_response_length,
         cfg.trainer.seed,
     )
     frozen_vision = actor.model.freeze_vision_tower
     writer = MetricsWriter(cfg.run_dir, world.is_main)
     if world.is_main:
         dump_yaml(cfg, cfg.run_dir / "config.yaml")
-        log.info("run dir %s; %d prompts, %d steps, world %d", cfg.run_dir, len(dataset), total_steps, world.world_size)
+        log.info(
+            "run dir %s; %d prompts, %d steps, world %d",
+            cfg.run_dir,
+            len(dataset),
+            total_steps,
+            world.world_size,
+        )
+
+    def push_weights(timer: Timer, version: int) -> None:
+        with timer("update_weights"):
+            weights = iter_sharded_weights(
+                policy,
+                rollout_dtype,
+                rollout_cfg.weight_sync_bucket_mb << 20,
+                tie_word_embeddings=tie,
+                skip=lambda name: frozen_vision and ".visual." in f".{name}",  # unchanged: the engine has it
+            )
+            engine.load_weights(weights, version)
 
     version = 0
     bar = tqdm(total=total_steps, disable=not world.is_main, desc="grpo", dynamic_ncols=True)
@@ -127,17 +159,11 @@ def run(cfg: Config) -> None:
                 for ex in [dataset[pos]]
             ]
 
-            def push() -> None:
-                with timer("update_weights"):
-                    weights = iter_sharded_weights(
-                        policy, rollout_dtype, rollout_cfg.weight_sync_bucket_mb << 20, tie_word_embeddings=tie,
-                        skip=lambda name: frozen_vision and ".visual." in f".{name}",
-                    )
-                    engine.load_weights(weights, version)
-
             with timer("gen"):
-                engine.prepare_for_rollout(push)
-                samples = generate(engine, prompts, sampling, step, tp_group=tp_group, stop_token_ids=stop_ids)
+                engine.prepare_for_rollout(lambda: push_weights(timer, version))  # noqa: B023 (called now)
+                samples = generate(
+                    engine, prompts, sampling, step, tp_group=tp_group, stop_token_ids=stop_ids
+                )
                 engine.sleep()
             attach_pixel_values(samples, processor.image_processor)
 
@@ -146,8 +172,13 @@ def run(cfg: Config) -> None:
                 rewards = score_samples(
                     reward_fn,
                     [
-                        {"response": s.response_text, "response_length": len(s.response_ids),
-                         "ground_truth": s.prompt.ground_truth, "uid": s.prompt.uid, **s.prompt.extra}
+                        {
+                            "response": s.response_text,
+                            "response_length": len(s.response_ids),
+                            "ground_truth": s.prompt.ground_truth,
+                            "uid": s.prompt.uid,
+                            **s.prompt.extra,
+                        }
                         for s in samples
                     ],
                     batch_name=f"step {step} rank {world.rank}",
@@ -161,26 +192,47 @@ def run(cfg: Config) -> None:
             ref_logprobs = None
             if reference is not None:
                 with timer("ref"):
-                    ref_logprobs = compute_logprobs(reference, samples, actor, temperature, tokenizer.pad_token_id)
+                    ref_logprobs = compute_logprobs(
+                        reference, samples, actor, temperature, tokenizer.pad_token_id
+                    )
 
             # ---- advantages: group statistics over all ranks
             with timer("adv"):
                 group_index = torch.tensor([s.prompt.uid for s in samples], dtype=torch.long)
                 if alg.adv_std_scope == "batch":
                     advantages, adv_metrics = compute_batch_std_advantages(
-                        scores, group_index, d.rollout_batch_size, eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum
+                        scores,
+                        group_index,
+                        d.rollout_batch_size,
+                        eps=alg.adv_eps,
+                        all_reduce_sum=D.all_reduce_sum,
                     )
                 else:
                     advantages, adv_metrics = compute_grpo_advantages(
-                        scores, group_index, d.rollout_batch_size, eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum,
+                        scores,
+                        group_index,
+                        d.rollout_batch_size,
+                        eps=alg.adv_eps,
+                        all_reduce_sum=D.all_reduce_sum,
                         norm_by_std=alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo,
                     )
 
             # ---- update
             with timer("update_actor"):
                 update_metrics = update_policy(
-                    policy, optim, samples, old_logprobs, ref_logprobs, advantages, actor, alg, d, temperature,
-                    tokenizer.pad_token_id, world, clip_grad_norm,
+                    policy,
+                    optim,
+                    samples,
+                    old_logprobs,
+                    ref_logprobs,
+                    advantages,
+                    actor,
+                    alg,
+                    d,
+                    temperature,
+                    tokenizer.pad_token_id,
+                    world,
+                    clip_grad_norm,
                 )
             version += 1
 
@@ -191,25 +243,41 @@ def run(cfg: Config) -> None:
         m.update(global_stats("critic/score", scores))
         m.update(global_stats("critic/rewards", scores))
         m.update(global_stats("critic/advantages", advantages))
-        m.update(global_means({f"reward/{k}": (float(v.sum()), v.numel()) for k, v in rewards.items() if k != "overall"}))
+        m.update(
+            global_means(
+                {f"reward/{k}": (float(v.sum()), v.numel()) for k, v in rewards.items() if k != "overall"}
+            )
+        )
         response_lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
         prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float64)
         m.update(global_stats("response_length", response_lengths))
         m.update(global_stats("prompt_length", prompt_lengths))
         clipped = sum(len(s.response_ids) >= d.max_response_length for s in samples)
-        diffs = [abs(a - b) for s, old in zip(samples, old_logprobs, strict=True)
-                 for a, b in zip(s.rollout_logprobs, old.tolist(), strict=True)]
-        m.update(global_means({
-            "response_length/clip_ratio": (clipped, len(samples)),
-            "rollout/logprob_diff_mean": (sum(diffs), len(diffs)),
-        }))
+        diffs = [
+            abs(a - b)
+            for s, old in zip(samples, old_logprobs, strict=True)
+            for a, b in zip(s.rollout_logprobs, old.tolist(), strict=True)
+        ]
+        m.update(
+            global_means(
+                {
+                    "response_length/clip_ratio": (clipped, len(samples)),
+                    "rollout/logprob_diff_mean": (sum(diffs), len(diffs)),
+                }
+            )
+        )
         m["rollout/logprob_diff_max"] = float(D.all_reduce_max(torch.tensor([max(diffs, default=0.0)])))
-        total_tokens = float(D.all_reduce_sum(torch.tensor([float(response_lengths.sum() + prompt_lengths.sum())],
-                                                           dtype=torch.float64)))
+        total_tokens = float(
+            D.all_reduce_sum(
+                torch.tensor([float(response_lengths.sum() + prompt_lengths.sum())], dtype=torch.float64)
+            )
+        )
         m["perf/total_num_tokens"] = total_tokens
         m["perf/time_per_step"] = m["timing_s/step"]
         m["perf/throughput"] = total_tokens / (m["timing_s/step"] * world.world_size)
-        m["perf/max_memory_allocated_gb"] = float(D.all_reduce_max(torch.tensor([D.max_memory_allocated_gb(world.device_type)])))
+        m["perf/max_memory_allocated_gb"] = float(
+            D.all_reduce_max(torch.tensor([D.max_memory_allocated_gb(world.device_type)]))
+        )
         m["perf/cpu_memory_used_gb"] = float(D.all_reduce_max(torch.tensor([D.cpu_memory_used_gb()])))
         writer.write(step, m)
         if world.is_main:

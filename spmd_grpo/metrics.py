@@ -1,0 +1,103 @@
+"""Step metrics: timers, global reductions across ranks, and the run directory's `metrics.jsonl`.
+
+Names follow verl (`timing_s/gen`, `actor/pg_loss`, `critic/score/mean`, `response_length/mean`,
+`perf/throughput`, ...). Every figure is a reduction over ALL ranks (sum/count for means, max, min), so
+rank 0 prints and writes global values, not its own shard's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .distributed import all_reduce_max, all_reduce_min, all_reduce_sum, synchronize
+
+
+class Timer:
+    """Accumulates wall time per phase name (`timing_s/<name>`), synchronising the device at the edges."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        synchronize(self.device_type)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device_type)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """Max over ranks: a phase takes as long as its slowest rank."""
+        names = sorted(self.seconds)
+        values = all_reduce_max(torch.tensor([self.seconds[n] for n in names], dtype=torch.float64))
+        return {f"timing_s/{n}": float(v) for n, v in zip(names, values, strict=True)}
+
+
+def global_stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """`{prefix}/mean|max|min` of a 1-D tensor whose entries are spread over all ranks."""
+    values = values.detach().double().flatten()
+    total = all_reduce_sum(torch.tensor([values.sum().item(), float(values.numel())], dtype=torch.float64))
+    inf = float("inf")
+    vmax = all_reduce_max(
+        torch.tensor([values.max().item() if values.numel() else -inf], dtype=torch.float64)
+    )
+    vmin = all_reduce_min(torch.tensor([values.min().item() if values.numel() else inf], dtype=torch.float64))
+    return {
+        f"{prefix}/mean": float(total[0] / total[1]) if total[1] > 0 else 0.0,
+        f"{prefix}/max": float(vmax),
+        f"{prefix}/min": float(vmin),
+    }
+
+
+def global_means(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """{name: (local sum, local count)} -> {name: global sum / global count} in one all-reduce."""
+    names = sorted(sums)
+    if not names:
+        return {}
+    packed = all_reduce_sum(torch.tensor([[sums[n][0], sums[n][1]] for n in names], dtype=torch.float64))
+    return {n: float(s / c) if c > 0 else 0.0 for n, (s, c) in zip(names, packed.tolist(), strict=True)}
+
+
+class MetricsWriter:
+    """Rank 0 appends one JSON line per step to `<run_dir>/metrics.jsonl` (flushed: a crash loses nothing)."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+
+
+def console_line(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in [
+        ("critic/score/mean", "score", ".3f"),
+        ("reward/accuracy", "acc", ".3f"),
+        ("val-core/mean", "val", ".3f"),
+        ("actor/pg_loss", "pg_loss", "+.4f"),
+        ("actor/kl_loss", "kl", ".4f"),
+        ("actor/entropy", "ent", ".3f"),
+        ("actor/grad_norm", "gnorm", ".3f"),
+        ("response_length/mean", "resp_len", ".1f"),
+        ("rollout/logprob_diff_max", "lp_diff_max", ".1e"),
+        ("timing_s/step", "s/step", ".2f"),
+    ]:
+        if key in m:
+            parts.append(f"{label} {m[key]:{fmt}}")
+    return " | ".join(parts)
