@@ -176,6 +176,15 @@ class RolloutEngine:
         self.llm.reset_mm_cache()
         self.llm.llm_engine.reset_encoder_cache()
 
+    def shutdown(self) -> None:
+        """Tear the engine down while the trainer's process group still exists.
+
+        vLLM's teardown (also run at interpreter exit if not called) destroys its own groups AND the default
+        process group (`destroy_distributed_environment`); after the trainer destroyed the default group
+        first it raised "Invalid process group specified". Call this last, before `distributed.destroy()`.
+        """
+        self.llm.llm_engine.engine_core.shutdown()
+
     def generate(self, prompts: list, sampling_params: list) -> list:
         return self.llm.generate(prompts, sampling_params, use_tqdm=False)
 

@@ -286,6 +286,7 @@ def run(cfg: Config) -> None:
                 bar.write(console_line(step, total_steps, m))
     bar.close()
     D.barrier()
+    engine.shutdown()
     D.destroy()
 
 
