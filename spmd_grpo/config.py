@@ -51,6 +51,8 @@ class DataConfig:
     """Prompts drawn per step across all ranks; each yields worker.rollout.n samples."""
     val_batch_size: int = -1
     """-1 = the whole validation set in one pass."""
+    val_max_samples: int = -1
+    """Validate on the first N examples of the validation set (-1: all)."""
     min_pixels: int = 3136
     max_pixels: int = 262144
     shuffle: bool = True

@@ -2,7 +2,17 @@
 
 Device type: `auto` picks npu when `torch_npu` imports and reports a device, else cuda when available, else
 cpu. Backend: nccl (cuda), hccl (npu), gloo (cpu). Everything else calls the helpers here (memory stats,
-cache emptying, seeding, collectives) and never spells a device name.
+cache emptying, seeding, collectives, per-device defaults) and never spells a device name.
+
+Ascend NPUs (`torch_npu` + vllm-ascend; only tested here against a fake `torch_npu`, never on real NPUs):
+  * `torch_npu` is imported only when the device is npu (or `auto` looks for one); importing it registers
+    `torch.npu` and the "npu" device type, and the hccl backend.
+  * The process group is created without `device_id` on npu (no eager communicator init), as verl does;
+    on cuda `device_id` binds NCCL eagerly.
+  * vLLM sleep level 1 (weights offloaded to host memory) is the default on npu, 2 on cuda, as in verl.
+  * Models that are only ever run forward are cast to their compute dtype BEFORE `fully_shard`
+    (`cast_before_shard`): torch_npu cannot cast sharded DTensors. The policy keeps fp32 master weights on
+    every device (the optimizer must not step in bf16) and is cast only inside FSDP2's all-gather.
 
 Collectives live here and say what they reduce. Every collective has the process group's timeout
 (`trainer.collective_timeout_s`), so a dead peer turns into an error rather than a hang; torchrun then
@@ -26,6 +36,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+# vLLM sleep level: 2 discards the weights (re-pushed every step anyway); on NPU verl uses 1 (kept in host
+# memory), which vllm-ascend supports best.
+SLEEP_LEVELS = {"cuda": 2, "npu": 1}
 
 
 def _import_torch_npu() -> ModuleType | None:
@@ -35,26 +48,50 @@ def _import_torch_npu() -> ModuleType | None:
         return None
 
 
+def _npu_available() -> bool:
+    """True when torch_npu imports (which registers `torch.npu`) and sees at least one NPU."""
+    return _import_torch_npu() is not None and hasattr(torch, "npu") and torch.npu.is_available()
+
+
 def resolve_device_type(requested: str = "auto") -> str:
     """`auto` | `cuda` | `npu` | `cpu` -> a concrete device type, checking that it exists."""
     if requested == "auto":
-        if _import_torch_npu() is not None and hasattr(torch, "npu") and torch.npu.is_available():
+        if _npu_available():
             return "npu"
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "npu":
         if _import_torch_npu() is None:
             raise RuntimeError(
-                "trainer.device=npu but torch_npu cannot be imported (install torch_npu, source CANN)"
+                "trainer.device=npu but torch_npu cannot be imported (install torch_npu for your CANN "
+                "release and source CANN's set_env.sh)"
             )
+        if not _npu_available():
+            raise RuntimeError("trainer.device=npu but torch.npu.is_available() is False (no NPU visible)")
         return "npu"
     if requested == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but torch.cuda.is_available() is False")
+    if requested not in BACKENDS:
+        raise RuntimeError(f"unknown device {requested!r}; expected auto, cuda, npu or cpu")
     return requested
 
 
 def device_module(device_type: str) -> ModuleType | None:
-    """torch.cuda / torch.npu, or None for cpu."""
-    return {"cuda": torch.cuda, "npu": getattr(torch, "npu", None)}.get(device_type)
+    """torch.cuda / torch.npu (registered by torch_npu), or None for cpu."""
+    if device_type == "npu":
+        if not hasattr(torch, "npu"):
+            raise RuntimeError("device npu but torch.npu does not exist: import torch_npu first")
+        return torch.npu
+    return {"cuda": torch.cuda}.get(device_type)
+
+
+def recommended_sleep_level(device_type: str) -> int:
+    """vLLM sleep level verl uses on this device: 2 on cuda, 1 on npu (cpu has no sleep mode: 2, unused)."""
+    return SLEEP_LEVELS.get(device_type, 2)
+
+
+def cast_before_shard(device_type: str) -> bool:
+    """Whether forward-only models must be cast to their compute dtype before `fully_shard` (torch_npu)."""
+    return device_type == "npu"
 
 
 @dataclass(frozen=True)
@@ -103,7 +140,8 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> World:
         dist.init_process_group(
             backend=backend,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=torch.device(device_type, local_rank) if mod is not None else None,
+            # Eager NCCL init on cuda; hccl is created lazily, as verl does on NPU.
+            device_id=torch.device(device_type, local_rank) if device_type == "cuda" else None,
         )
     return World(rank, world_size, local_rank, device_type, backend)
 
@@ -136,8 +174,16 @@ def synchronize(device_type: str) -> None:
 
 
 def max_memory_allocated_gb(device_type: str) -> float:
+    """Peak memory of the compute device. On CPU the device memory IS the process memory: its peak
+    resident set (VmHWM), which also counts vLLM's CPU KV cache and the Python heap."""
     mod = device_module(device_type)
-    return mod.max_memory_allocated() / 2**30 if mod is not None else 0.0
+    if mod is not None:
+        return mod.max_memory_allocated() / 2**30
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
 
 
 def cpu_memory_used_gb() -> float:

@@ -89,7 +89,6 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
     for key, label, fmt in [
         ("critic/score/mean", "score", ".3f"),
         ("reward/accuracy", "acc", ".3f"),
-        ("val-core/mean", "val", ".3f"),
         ("actor/pg_loss", "pg_loss", "+.4f"),
         ("actor/kl_loss", "kl", ".4f"),
         ("actor/entropy", "ent", ".3f"),
@@ -100,4 +99,7 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
     ]:
         if key in m:
             parts.append(f"{label} {m[key]:{fmt}}")
+    parts += [
+        f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in sorted(m.items()) if k.startswith("val-core/")
+    ]
     return " | ".join(parts)

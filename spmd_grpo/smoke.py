@@ -65,10 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smoke run failed with exit code {code} after {elapsed:.0f} s", file=sys.stderr)
         return code
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    return report(rows, elapsed)
+    return report(
+        [r for r in rows if r["step"] > 0],
+        [r for r in rows if any(k.startswith("val-core/") for k in r)],
+        elapsed,
+    )
 
 
-def report(rows: list[dict], elapsed: float) -> int:
+def report(rows: list[dict], val_rows: list[dict], elapsed: float) -> int:
     print(f"\n{'step':>5} {'score':>7} {'accuracy':>9} {'resp_len':>9} {'lp_diff_max':>12} {'s/step':>7}")
     every = max(1, len(rows) // 20)
     for r in rows:
@@ -76,6 +80,13 @@ def report(rows: list[dict], elapsed: float) -> int:
             print(
                 f"{r['step']:>5} {r['critic/score/mean']:>7.3f} {r.get('reward/accuracy', float('nan')):>9.3f} "
                 f"{r['response_length/mean']:>9.2f} {r['rollout/logprob_diff_max']:>12.1e} {r['timing_s/step']:>7.2f}"
+            )
+    if val_rows:
+        print("\nvalidation (greedy-ish sampling, held-out colours):")
+        for r in val_rows:
+            print(
+                f"{r['step']:>5} "
+                + "  ".join(f"{k} {v:.3f}" for k, v in sorted(r.items()) if k.startswith("val-core/"))
             )
     first = sum(r["critic/score/mean"] for r in rows[:5]) / min(5, len(rows))
     final = sum(r["critic/score/mean"] for r in rows[-5:]) / min(5, len(rows))

@@ -71,6 +71,7 @@ def run(cfg: Config) -> None:
     from .reward import load_reward_function, score_samples
     from .rollout import Prompt, SamplingConfig, attach_pixel_values, generate
     from .update import compute_logprobs, update_policy
+    from .validation import validate
 
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     logging.basicConfig(
@@ -87,6 +88,9 @@ def run(cfg: Config) -> None:
         actor.model.tokenizer_path or model_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels
     )
     dataset = load_dataset(d, processor, "train")
+    val_examples = load_dataset(d, processor, "val") if d.val_files else []
+    if d.val_max_samples > 0:
+        val_examples = val_examples[: d.val_max_samples]
     sampler = PromptSampler(
         len(dataset), d.rollout_batch_size, world.rank, world.world_size, d.seed, d.shuffle
     )
@@ -146,7 +150,38 @@ def run(cfg: Config) -> None:
             )
             engine.load_weights(weights, version)
 
+    def run_validation(step: int, timer: Timer) -> dict[str, float]:
+        with timer("testing"):
+            engine.prepare_for_rollout(lambda: push_weights(timer, version))
+            out = validate(
+                cfg,
+                world,
+                engine,
+                val_examples,
+                reward_fn,
+                step,
+                tp_group=tp_group,
+                stop_token_ids=stop_ids,
+                run_dir=cfg.run_dir,
+            )
+            engine.sleep()
+        return out
+
+    def validation_due(step: int) -> bool:
+        if not val_examples:
+            return False
+        if step == 0:
+            return cfg.trainer.val_before_train
+        return cfg.trainer.val_freq > 0 and (step % cfg.trainer.val_freq == 0 or step == total_steps)
+
     version = 0
+    if validation_due(0):
+        timer = Timer(world.device_type)
+        m = run_validation(0, timer)
+        m.update(timer.metrics())
+        writer.write(0, m)
+        if world.is_main:
+            log.info(console_line(0, total_steps, m))
     bar = tqdm(total=total_steps, disable=not world.is_main, desc="grpo", dynamic_ncols=True)
     for step in range(1, total_steps + 1):
         timer = Timer(world.device_type)
@@ -236,8 +271,12 @@ def run(cfg: Config) -> None:
                 )
             version += 1
 
+        # ---- validation (after the update: it measures the new policy)
+        val_metrics = run_validation(step, timer) if validation_due(step) else {}
+
         # ---- metrics (global over ranks)
         m = timer.metrics()
+        m.update(val_metrics)
         m.update(update_metrics)
         m.update({f"adv/{k.split('/')[-1]}": v for k, v in adv_metrics.items()})
         m.update(global_stats("critic/score", scores))

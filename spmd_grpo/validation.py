@@ -1,0 +1,117 @@
+"""Validation: generate on the held-out set with the current policy, score, and report verl-named metrics.
+
+Metrics (global over ranks), N = `worker.rollout.val_override.n` samples per prompt:
+  val-core/<data_source>/acc/mean@N   mean `accuracy` of the reward (or `overall` when the reward has none)
+  val/reward/<key>                    mean of every key the reward function returns (overall included)
+  timing_s/testing                    added by the caller
+Sampling uses `worker.rollout.val_override` (verl: temperature 0.6, top_p 0.95, n 1 in the geo3k recipes)
+with its own per-request seeds, so validation never consumes or shifts the training samples' randomness.
+Each rank validates a strided share of the set (rank r takes examples r, r + world, ...). A few generations
+are appended to `<run_dir>/val_generations.jsonl` by rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import Config
+from .data import Example
+from .distributed import World, all_gather_objects
+from .metrics import global_means
+from .reward import score_samples
+from .rollout import Prompt, SamplingConfig, generate
+
+VAL_SEED_OFFSET = 7919  # validation request seeds never coincide with training ones
+
+
+def validate(
+    cfg: Config,
+    world: World,
+    engine,
+    examples: list[Example],
+    reward_fn,
+    step: int,
+    *,
+    tp_group,
+    stop_token_ids: list[int],
+    run_dir: Path,
+) -> dict[str, float]:
+    over = cfg.worker.rollout.val_override
+    sampling = SamplingConfig(
+        over.n,
+        over.temperature,
+        over.top_p,
+        over.top_k,
+        cfg.data.max_response_length,
+        cfg.trainer.seed + VAL_SEED_OFFSET,
+    )
+    mine = list(range(world.rank, len(examples), world.world_size))
+    prompts = [
+        Prompt(
+            i,
+            examples[i].prompt_token_ids,
+            examples[i].images,
+            examples[i].answer,
+            {"data_source": examples[i].data_source, "problem": examples[i].problem},
+        )
+        for i in mine
+    ]
+    samples = generate(engine, prompts, sampling, step, tp_group=tp_group, stop_token_ids=stop_token_ids)
+    rewards = score_samples(
+        reward_fn,
+        [
+            {
+                "response": s.response_text,
+                "response_length": len(s.response_ids),
+                "ground_truth": s.prompt.ground_truth,
+                "uid": s.prompt.uid,
+                **s.prompt.extra,
+            }
+            for s in samples
+        ],
+        batch_name=f"validation at step {step}, rank {world.rank}",
+    )
+    # Every rank must reduce the same metric names (a rank may have no samples): agree on them first.
+    parts = all_gather_objects(({s.prompt.extra["data_source"] for s in samples}, set(rewards)))
+    sources = sorted(set().union(*(p[0] for p in parts)))
+    keys = sorted(set().union(*(p[1] for p in parts)))
+    empty = torch.zeros(0)
+    acc = (
+        rewards.get("accuracy", rewards.get("overall", empty))
+        if "accuracy" in keys
+        else rewards.get("overall", empty)
+    )
+    sums: dict[str, tuple[float, float]] = {}
+    for src in sources:
+        picked = torch.tensor([s.prompt.extra["data_source"] == src for s in samples], dtype=torch.bool)
+        sums[f"val-core/{src}/acc/mean@{over.n}"] = (
+            float(acc[picked].sum()) if picked.any() else 0.0,
+            float(picked.sum()),
+        )
+    for key in keys:
+        values = rewards.get(key, empty)
+        sums[f"val/reward/{key}"] = (float(values.sum()), float(values.numel()))
+    metrics = global_means(sums)
+
+    logged = all_gather_objects(
+        [
+            {
+                "step": step,
+                "data_source": s.prompt.extra["data_source"],
+                "problem": s.prompt.extra["problem"],
+                "response": s.response_text,
+                "ground_truth": s.prompt.ground_truth,
+                "score": float(rewards["overall"][i]),
+            }
+            for i, s in enumerate(samples[: cfg.trainer.val_generations_to_log])
+        ]
+    )
+    if world.is_main and cfg.trainer.val_generations_to_log > 0:
+        rows = [row for part in logged for row in part][: cfg.trainer.val_generations_to_log]
+        with (run_dir / "val_generations.jsonl").open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return metrics
