@@ -1,9 +1,11 @@
 """Policy and reference models: load Qwen2.5-VL, shard with FSDP2, optimizer and LR schedule.
 
 `fully_shard` is applied per vision block and per language decoder layer, then to the root (torchtitan's
-`parallelize` order: activation checkpointing -> fully_shard per block -> root). The dtype cast happens
-BEFORE `fully_shard` (torch_npu cannot cast sharded DTensors). Mixed precision on accelerators: parameters
-gathered in bf16, gradients reduced in fp32, fp32 master weights; on CPU fp32 by default.
+`parallelize` order: activation checkpointing -> fully_shard per block -> root). The policy is loaded in
+fp32 on every device (fp32 master weights for AdamW, as verl); FSDP2's MixedPrecisionPolicy gathers bf16
+copies on accelerators and reduces gradients in fp32 (fp32 throughout on CPU by default). The frozen
+reference model is cast to its compute dtype BEFORE `fully_shard` on NPU (torch_npu cannot cast sharded
+DTensors; verl also builds the reference in bf16).
 
 Gradient clipping uses the true global norm: `clip_grad_norm_` over DTensor gradients reduces the
 per-shard norms across ranks (FSDP2 semantics), so every rank gets the same norm.
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import ActorConfig, FSDPConfig, OptimConfig
-from .distributed import World
+from .distributed import World, cast_before_shard
 from .engine import unsamplable_token_ids
 from .logprobs import PolicyModule
 
@@ -69,6 +71,7 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World, *, training
 
 
 def build_policy(cfg: ActorConfig, world: World) -> PolicyModule:
+    """The trainable policy, fp32 master weights on every device (NPU included), gathered in param_dtype."""
     hf = load_hf_model(cfg.model.model_path, torch.float32, world.device)
     if cfg.model.freeze_vision_tower:
         hf.model.visual.requires_grad_(False)
@@ -85,8 +88,17 @@ def build_policy(cfg: ActorConfig, world: World) -> PolicyModule:
 
 
 def build_reference(cfg: ActorConfig, offload: bool, world: World) -> PolicyModule:
-    """Frozen FSDP2 copy for forward-only reference logprobs (all ranks run it together)."""
-    hf = load_hf_model(cfg.model.model_path, torch.float32, world.device)
+    """Frozen FSDP2 copy for forward-only reference logprobs (all ranks run it together).
+
+    On NPU it is loaded in its compute dtype (`fsdp.param_dtype`), i.e. cast BEFORE `fully_shard`
+    (torch_npu cannot cast sharded DTensors; verl also keeps its reference in bf16). Elsewhere it is loaded
+    in fp32 and cast by FSDP2's all-gather: the same numbers, since the compute dtype is what runs either
+    way. The policy is never cast before sharding: its fp32 parameters are the optimizer's master weights.
+    """
+    load_dtype = torch.float32
+    if cast_before_shard(world.device_type):
+        load_dtype = resolve_dtype(cfg.fsdp.param_dtype, world.device_type)
+    hf = load_hf_model(cfg.model.model_path, load_dtype, world.device)
     model = PolicyModule(hf, unsamplable_token_ids(hf.config), cfg.logprob_chunk_size)
     model.requires_grad_(False)
     fsdp = FSDPConfig(cfg.fsdp.param_dtype, cfg.fsdp.reduce_dtype, offload_params=offload)
