@@ -81,7 +81,13 @@ def color_reward(samples: list[dict[str, Any]], format_weight: float = 0.1) -> l
         digits = [c for c in response if c.isdigit()]
         accuracy = float(bool(digits) and digits[0] == str(sample["ground_truth"]).strip())
         fmt = float(response[:1].isdigit())
-        out.append({"overall": (1 - format_weight) * accuracy + format_weight * fmt, "format": fmt, "accuracy": accuracy})
+        out.append(
+            {
+                "overall": (1 - format_weight) * accuracy + format_weight * fmt,
+                "format": fmt,
+                "accuracy": accuracy,
+            }
+        )
     return out
 
 

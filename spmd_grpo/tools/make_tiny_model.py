@@ -196,7 +196,9 @@ def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec
     import os
     import shutil
 
-    key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode() + Path(__file__).read_bytes()).hexdigest()
+    key = hashlib.sha1(
+        json.dumps(asdict(spec), sort_keys=True).encode() + Path(__file__).read_bytes()
+    ).hexdigest()
     out = Path(cache_dir) / "tiny_models" / key[:12]
     if not (out / "model.safetensors").exists():
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")

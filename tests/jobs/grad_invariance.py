@@ -29,14 +29,25 @@ def make_samples(processor, vocab_limit: int) -> list[Sample]:
     for i in range(NUM_SAMPLES):
         image = Image.new("RGB", (56, 56 + 28 * (i % 2)), ((40 * i) % 255, 100, 200))
         content = [{"type": "image"}, {"type": "text", "text": f"Which color? {i}"}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
         enc = processor(text=[text], images=[image], return_tensors="pt")
         length = 3 + (5 * i) % 9  # 3..11 tokens: uneven micro-batches
         response = torch.randint(0, vocab_limit, (length,), generator=gen).tolist()
         prompt = Prompt(uid=i // 2, prompt_token_ids=[], images=[image])
         samples.append(
-            Sample(prompt, i % 2, enc["input_ids"][0].tolist(), response, [0.0] * length, "", "stop",
-                   enc["pixel_values"], enc["image_grid_thw"])
+            Sample(
+                prompt,
+                i % 2,
+                enc["input_ids"][0].tolist(),
+                response,
+                [0.0] * length,
+                "",
+                "stop",
+                enc["pixel_values"],
+                enc["image_grid_thw"],
+            )
         )
     return samples
 

@@ -1,0 +1,94 @@
+"""The real training entry point for a few steps: 2 ranks, torchrun, FSDP2, vLLM, reference model, validation.
+
+Checks the run directory a user gets (resolved config, metrics.jsonl with every verl-named metric, validation
+generations), not learning (that is `make smoke-test`).
+"""
+
+import json
+
+import pytest
+import yaml
+
+from tests.conftest import torchrun
+
+pytestmark = pytest.mark.engine
+
+REQUIRED = (
+    [
+        f"timing_s/{k}"
+        for k in [
+            "gen",
+            "reward",
+            "old_log_prob",
+            "ref",
+            "adv",
+            "update_actor",
+            "update_weights",
+            "step",
+            "testing",
+        ]
+    ]
+    + [
+        f"actor/{k}"
+        for k in [
+            "pg_loss",
+            "pg_clipfrac",
+            "pg_clipfrac_lower",
+            "ppo_kl",
+            "kl_loss",
+            "kl_coef",
+            "entropy",
+            "grad_norm",
+            "lr",
+        ]
+    ]
+    + [f"critic/{a}/{b}" for a in ("score", "rewards", "advantages") for b in ("mean", "max", "min")]
+    + [f"response_length/{k}" for k in ["mean", "max", "min", "clip_ratio"]]
+    + [f"prompt_length/{k}" for k in ["mean", "max", "min"]]
+    + [
+        f"perf/{k}"
+        for k in [
+            "total_num_tokens",
+            "time_per_step",
+            "throughput",
+            "max_memory_allocated_gb",
+            "cpu_memory_used_gb",
+        ]
+    ]
+    + ["rollout/logprob_diff_mean", "rollout/logprob_diff_max", "reward/accuracy", "reward/format"]
+)
+
+
+def test_three_steps_write_every_metric(tiny_untied, tmp_path):
+    torchrun(
+        [
+            "-m",
+            "spmd_grpo.train",
+            "configs/smoke.yaml",
+            f"worker.actor.model.model_path={tiny_untied}",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.experiment_name=loop",
+            "trainer.max_steps=3",
+            "trainer.val_freq=2",
+            "data.val_max_samples=8",
+            "data.rollout_batch_size=4",
+            "worker.rollout.n=4",
+            "worker.actor.global_batch_size=8",
+            "worker.actor.micro_batch_size_per_device_for_update=4",
+        ]
+    )
+    run = tmp_path / "loop"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: validation before training
+    for r in rows[1:]:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert r["rollout/logprob_diff_max"] < 1e-3  # fp32 engine and trainer agree during training
+        assert r["perf/total_num_tokens"] > 0 and r["perf/throughput"] > 0
+    val_steps = [r["step"] for r in rows if "val-core/color/acc/mean@1" in r]
+    assert val_steps == [0, 2, 3]
+    assert all("timing_s/testing" in r and "val/reward/overall" in r for r in rows if r["step"] in val_steps)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["trainer"]["max_steps"] == 3 and cfg["worker"]["rollout"]["n"] == 4
+    generations = [json.loads(line) for line in (run / "val_generations.jsonl").read_text().splitlines()]
+    assert generations and {"step", "response", "ground_truth", "score"} <= set(generations[0])
