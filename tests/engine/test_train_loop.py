@@ -25,7 +25,6 @@ REQUIRED = (
             "update_actor",
             "update_weights",
             "step",
-            "testing",
         ]
     ]
     + [
