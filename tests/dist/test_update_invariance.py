@@ -22,6 +22,8 @@ def _grads(tiny, tmp_path, world, micro, mode):
 def _max_rel(a, b):
     worst = 0.0
     for name in a:
+        if name.startswith("__"):
+            continue
         denom = a[name].norm().item()
         if denom > 0:
             worst = max(worst, (a[name] - b[name]).norm().item() / denom)
@@ -39,3 +41,9 @@ def test_gradient_same_for_micro_batches_and_world_size(tiny_untied, tmp_path, m
     assert _max_rel(one_by_eight, eight_by_one) <= 1e-5
     assert _max_rel(one_by_eight, two_ranks) <= 1e-5
     assert _max_rel(one_by_eight, two_ranks_micro1) <= 1e-5
+    # Gradient clipping sees the true global norm: equal to the full gradient's norm, on 1 or 2 ranks.
+    full_norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g) for n, g in one_by_eight.items() if not n.startswith("__")])
+    )
+    for grads in (one_by_eight, two_ranks):
+        assert abs(grads["__clip_grad_norm__"].item() - full_norm.item()) <= 1e-5 * full_norm.item()

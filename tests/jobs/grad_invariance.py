@@ -16,7 +16,7 @@ from PIL import Image
 
 from spmd_grpo.config import ActorConfig, AlgorithmConfig, FSDPConfig, ModelConfig
 from spmd_grpo.distributed import init_distributed
-from spmd_grpo.model import build_policy
+from spmd_grpo.model import build_policy, clip_grad_norm
 from spmd_grpo.rollout import Prompt, Sample
 from spmd_grpo.update import compute_logprobs, mini_batch_backward
 
@@ -88,6 +88,8 @@ def main() -> None:
         policy, samples[mine], old[mine], ref[mine], advantages[mine], actor, alg, 16, 1.0, pad_id, world
     )
     grads = {n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None}
+    # The clipping norm must be the GLOBAL norm over all shards (same on every rank, any world size).
+    grads["__clip_grad_norm__"] = torch.tensor(clip_grad_norm(policy, max_norm=1e9))
     if world.rank == 0:
         torch.save(grads, args.out)
 

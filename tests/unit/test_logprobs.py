@@ -1,0 +1,79 @@
+"""Trainer-side logprobs: chunked vocabulary projection equals the plain full log-softmax; masks and mrope."""
+
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from spmd_grpo.engine import unsamplable_token_ids
+from spmd_grpo.logprobs import PolicyModule, collate, mrope_position_ids
+from tests.conftest import tiny_model
+
+
+def _batch(processor):
+    prompts, pixels, grids = [], [], []
+    for i, size in enumerate([(56, 56), (84, 56)]):
+        content = [{"type": "image"}, {"type": "text", "text": f"Which color? {i}"}]
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
+        enc = processor(text=[text], images=[Image.new("RGB", size, (200, 20 * i, 30))], return_tensors="pt")
+        prompts.append(enc["input_ids"][0].tolist())
+        pixels.append(enc["pixel_values"])
+        grids.append(enc["image_grid_thw"])
+    responses = [[5, 17, 99, 3, 250], [42, 7]]
+    return collate(prompts, responses, pixels, grids, processor.tokenizer.pad_token_id), responses
+
+
+def test_chunked_logprobs_and_entropy_equal_full_softmax():
+    d = tiny_model()
+    processor = AutoProcessor.from_pretrained(d)
+    hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
+    suppress = unsamplable_token_ids(hf.config)
+    batch, responses = _batch(processor)
+    temperature = 0.7
+    with torch.no_grad():
+        lp_chunked, ent_chunked = PolicyModule(hf, suppress, chunk_size=3)(
+            batch, temperature, with_entropy=True
+        )
+        lp_big, _ = PolicyModule(hf, suppress, chunk_size=4096)(batch, temperature)
+        # Reference: the plain HF forward with the same explicit positions, full [B, L, V] log-softmax.
+        logits = (
+            hf(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=mrope_position_ids(hf, batch),
+                pixel_values=batch.pixel_values,
+                image_grid_thw=batch.image_grid_thw,
+            ).logits.float()
+            / temperature
+        )
+        logits[..., suppress] = float("-inf")
+        logp = torch.log_softmax(logits, -1)
+        probs = logp.exp()
+        entropy = -(probs * logp.masked_fill(probs == 0, 0)).sum(-1)
+    for i, resp in enumerate(responses):
+        start = int(batch.prompt_lengths[i])
+        expected = torch.stack([logp[i, start - 1 + j, tok] for j, tok in enumerate(resp)])
+        torch.testing.assert_close(lp_chunked[i, : len(resp)], expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            ent_chunked[i, : len(resp)], entropy[i, start - 1 : start - 1 + len(resp)], atol=1e-4, rtol=0
+        )
+        assert (lp_chunked[i, len(resp) :] == 0).all() and (batch.response_mask[i, len(resp) :] == 0).all()
+    torch.testing.assert_close(lp_chunked, lp_big, atol=1e-6, rtol=0)
+
+
+def test_mrope_positions_continue_after_image_for_response_tokens():
+    d = tiny_model()
+    processor = AutoProcessor.from_pretrained(d)
+    hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
+    batch, responses = _batch(processor)
+    pos = mrope_position_ids(hf, batch)  # [3, B, L]
+    assert pos.shape == (3, *batch.input_ids.shape)
+    for i, resp in enumerate(responses):
+        end = int(batch.prompt_lengths[i]) + len(resp)
+        text_tail = pos[:, i, end - len(resp) - 1 : end]
+        # After the image, text/response tokens advance by 1 in all three rows, from the same value.
+        assert (text_tail[0] == text_tail[1]).all() and (text_tail[1] == text_tail[2]).all()
+        assert (text_tail[0].diff() == 1).all()
+        # The image compresses positions: the last position is smaller than the sequence length.
+        assert int(pos[0, i, end - 1]) < end - 1
