@@ -8,15 +8,23 @@ Without --model-dir a random Qwen2.5-VL of ~136M parameters is built from config
 in-process vLLM engine (tensor_parallel_size 1). Every push perturbs the masters (a new policy version), then
 streams them with `iter_sharded_weights` (cast to the rollout dtype before the all-gather) into the engine.
 
-Per push and rank, three measurements:
+Per push and rank:
   peak_extra_os     OS level: `5` -> /proc/self/clear_refs resets VmHWM to VmRSS right before the push
                     (after gc + malloc_trim, so freed heap pages do not hide allocations);
                     peak extra = VmHWM after - VmRSS before.
+  live_heap_peak    live heap: glibc `mallinfo2()` in-use bytes (uordblks + hblkhd: heap chunks plus mmapped
+                    chunks, which with MALLOC_MMAP_THRESHOLD_ or big tensors are not in uordblks) sampled by a
+                    thread every ~1 ms (switch interval 1 ms during the push) and at every yield; peak minus
+                    the value right before the push. Freed-but-resident pages do not count here.
+  tensors_peak      tensor accounting: max over yields of (current gathered bucket + yielded tensors still
+                    alive). Misses vLLM's own transients (rebuilt fused weight, new oneDNN pack).
   largest_bucket    `on_bucket` of `iter_sharded_weights`: the largest gathered (receive) buffer.
   live_yielded_peak diagnostic: the most bytes of yielded tensors still alive at a yield (i.e. held by
                     the consumer, vLLM's layerwise reload buffers), tracked with storage weak references.
-A greedy generation of two short text prompts runs before the first and after the last push (token counts).
-Rank 0 prints one table and writes it as JSON to --out.
+  rss_left          VmRSS after the push (and its heap trim on CPU) minus before.
+The target is the largest bucket + the largest single tensor; every peak is printed as a multiple of the
+model size (rollout dtype) and of the target. A greedy generation of two short text prompts runs before the
+first and after the last push (token counts). Rank 0 prints one table and writes it as JSON to --out.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +67,33 @@ MiB = 1 << 20
 _LIBC = ctypes.CDLL("libc.so.6")
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (f, ctypes.c_size_t)
+        for f in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+_LIBC.mallinfo2.restype = _Mallinfo2  # glibc >= 2.33
+
+
+def heap_in_use() -> int:
+    """Bytes glibc has handed out and not yet freed: heap chunks (uordblks) + mmapped chunks (hblkhd)."""
+    mi = _LIBC.mallinfo2()
+    return mi.uordblks + mi.hblkhd
+
+
 # ------------------------------------------------------------------------------------------ helpers
 def proc_mem() -> dict[str, int]:
     """VmRSS / VmHWM of this process in bytes."""
@@ -82,16 +118,67 @@ def release_free_memory() -> None:
     _LIBC.malloc_trim(0)
 
 
+class HeapSampler:
+    """Peak of `heap_in_use()` over a window: a daemon thread samples every `interval_s`; `sample()` adds points."""
+
+    def __init__(self, interval_s: float = 1e-3) -> None:
+        self.interval_s = interval_s
+        self.base = self.peak = heap_in_use()
+        self.num_samples = 0
+        self.where = "gathering the first bucket"  # what runs now, set by LiveYielded
+        self.peak_at = self.where
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        v = heap_in_use()
+        self.num_samples += 1
+        if v > self.peak:
+            self.peak, self.peak_at = v, self.where
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> HeapSampler:
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.interval_s)  # let the sampler in while the main thread holds the GIL
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._switch)
+        self.sample()
+
+    @property
+    def peak_extra(self) -> int:
+        return self.peak - self.base
+
+
 class LiveYielded:
     """Bytes of yielded tensors (by storage) that are still referenced somewhere, sampled at each yield."""
 
-    def __init__(self) -> None:
+    def __init__(self, heap: HeapSampler | None = None) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self._ref = StorageWeakRef
         self.alive: dict[int, tuple[object, int]] = {}  # storage ptr -> (weak ref, bytes)
         self.peak = 0
         self.peak_at = ""
+        self.buckets: list[int] = []  # every gathered bucket's bytes; the last one is being yielded from
+        self.bucket = 0
+        self.tensors_peak = 0  # max of bucket + alive yielded tensors
+        self.heap = heap
+
+    def on_bucket(self, nbytes: int) -> None:
+        """`iter_sharded_weights(on_bucket=...)`: a bucket was just gathered."""
+        self.buckets.append(nbytes)
+        self.bucket = nbytes
+        if self.heap is not None:
+            self.heap.sample()
 
     def wrap(self, it: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in it:
@@ -102,7 +189,13 @@ class LiveYielded:
             live = sum(b for _, b in self.alive.values())
             if live > self.peak:
                 self.peak, self.peak_at = live, name
+            self.tensors_peak = max(self.tensors_peak, self.bucket + live)
+            if self.heap is not None:
+                self.heap.sample()
+                self.heap.where = f"vLLM loading {name}"
             yield name, t
+            if self.heap is not None:
+                self.heap.where = f"stream after {name} (gather/take)"
             del t
 
 
@@ -156,6 +249,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
+    import spmd_grpo.engine as engine_mod
     from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
     from spmd_grpo.distributed import init_distributed
     from spmd_grpo.engine import RolloutEngine, iter_sharded_weights
@@ -203,6 +297,18 @@ def main() -> None:
         if metas:
             vllm_largest = max(metas, key=lambda kv: kv[1])
 
+    # Time the post-push heap trim that `load_weights` does on CPU.
+    trim_s: list[float] = []
+    _trim = getattr(engine_mod, "_malloc_trim", None)
+
+    def timed_trim() -> None:
+        t = time.perf_counter()
+        _trim()
+        trim_s.append(time.perf_counter() - t)
+
+    if hasattr(engine_mod, "_malloc_trim"):  # absent in engines without the post-push trim
+        engine_mod._malloc_trim = timed_trim
+
     # Generation before any push.
     before = greedy_tokens(engine, args.max_tokens)
 
@@ -210,22 +316,24 @@ def main() -> None:
     for i in range(args.pushes):
         version = i + 1
         perturb_masters(policy, version, world.rank)
-        buckets: list[int] = []
-        live = LiveYielded()
         release_free_memory()
         dist.barrier()
         rss_before = proc_mem()["VmRSS"]
         reset_peak_rss()
-        t0 = time.perf_counter()
-        engine.load_weights(
-            live.wrap(
-                iter_sharded_weights(
-                    policy, dtype, bucket_bytes, tie_word_embeddings=tie, on_bucket=buckets.append
-                )
-            ),
-            version=version,
-        )
-        push_s = time.perf_counter() - t0
+        trim_s.clear()
+        with HeapSampler() as heap:
+            live = LiveYielded(heap)
+
+            t0 = time.perf_counter()
+            engine.load_weights(
+                live.wrap(
+                    iter_sharded_weights(
+                        policy, dtype, bucket_bytes, tie_word_embeddings=tie, on_bucket=live.on_bucket
+                    )
+                ),
+                version=version,
+            )
+            push_s = time.perf_counter() - t0
         mem = proc_mem()
         pushes.append(
             {
@@ -235,8 +343,14 @@ def main() -> None:
                 "hwm_after": mem["VmHWM"],
                 "rss_after": mem["VmRSS"],
                 "peak_extra_os": mem["VmHWM"] - rss_before,
-                "num_buckets": len(buckets),
-                "largest_bucket": max(buckets, default=0),
+                "live_heap_peak": heap.peak_extra,
+                "live_heap_peak_at": heap.peak_at,
+                "heap_samples": heap.num_samples,
+                "tensors_peak": live.tensors_peak,
+                "rss_left": mem["VmRSS"] - rss_before,
+                "trim_s": sum(trim_s),
+                "num_buckets": len(live.buckets),
+                "largest_bucket": max(live.buckets, default=0),
                 "live_yielded_peak": live.peak,
                 "live_yielded_peak_at": live.peak_at,
                 "pushed_bytes": engine.stats.last_sync_bytes,
@@ -270,10 +384,14 @@ def main() -> None:
     if world.is_main:
         all_pushes = [p for r in gathered for p in r["pushes"]]
         peak_os = max(p["peak_extra_os"] for p in all_pushes)
+        peak_heap = max(p["live_heap_peak"] for p in all_pushes)
+        peak_tensors = max(p["tensors_peak"] for p in all_pushes)
         peak_bucket = max(p["largest_bucket"] for p in all_pushes)
         peak_live = max(p["live_yielded_peak"] for p in all_pushes)
+        target = peak_bucket + largest_tensor_bytes
         summary = {
             "machine": f"{os.cpu_count()}-core CPU, {world.backend}, {world.world_size} ranks, vLLM TP 1",
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
             "model_dir": str(model_dir),
             "rollout_dtype": args.dtype,
             "bucket_mb": args.bucket_mb,
@@ -283,13 +401,25 @@ def main() -> None:
             "largest_tensor_bytes": largest_tensor_bytes,
             "vllm_largest_param": vllm_largest[0],
             "vllm_largest_param_bytes": vllm_largest[1],
-            "target_bytes": peak_bucket + largest_tensor_bytes,
+            "target_bytes": target,
             "max_peak_extra_os": peak_os,
+            "max_live_heap_peak": peak_heap,
+            "max_live_heap_peak_at": next(
+                p["live_heap_peak_at"] for p in all_pushes if p["live_heap_peak"] == peak_heap
+            ),
+            "max_tensors_peak": peak_tensors,
             "max_largest_bucket": peak_bucket,
             "max_live_yielded": peak_live,
+            "max_rss_left": max(p["rss_left"] for p in all_pushes),
             "ratio_peak_extra_os_to_model": peak_os / model_bytes,
-            "ratio_peak_extra_os_to_target": peak_os / (peak_bucket + largest_tensor_bytes),
+            "ratio_peak_extra_os_to_target": peak_os / target,
+            "ratio_live_heap_peak_to_model": peak_heap / model_bytes,
+            "ratio_live_heap_peak_to_target": peak_heap / target,
+            "ratio_tensors_peak_to_model": peak_tensors / model_bytes,
+            "ratio_tensors_peak_to_target": peak_tensors / target,
             "max_push_s": max(p["push_s"] for p in all_pushes),
+            "max_trim_s": max(p["trim_s"] for p in all_pushes),
+            "min_heap_samples_per_s": min(p["heap_samples"] / p["push_s"] for p in all_pushes),
             "ranks": gathered,
         }
         print_table(summary)
@@ -299,28 +429,50 @@ def main() -> None:
 
 
 def print_table(s: dict) -> None:
+    model, target = s["model_bytes"], s["target_bytes"]
+
     def mib(b: int) -> str:
-        return f"{b / MiB:8.1f}"
+        return f"{b / MiB:.1f}"
+
+    def x(b: int) -> str:  # "MiB (x model, x target)"
+        return f"{b / model:.2f}/{b / target:.2f}"
 
     lines = [
-        f"sync_memory | {s['machine']} | rollout dtype {s['rollout_dtype']} | bucket {s['bucket_mb']} MiB",
-        f"model: {s['num_params']:,} params = {s['model_bytes'] / MiB:.1f} MiB in {s['rollout_dtype']}; "
-        f"largest tensor {s['largest_tensor_bytes'] / MiB:.1f} MiB ({s['largest_tensor']}); "
-        f"largest vLLM (fused) param {s['vllm_largest_param_bytes'] / MiB:.1f} MiB ({s['vllm_largest_param']})",
-        "rank push  time_s  rss_before  peak_extra_os  largest_bucket  live_yielded  peak/model  [MiB]",
+        f"sync_memory | {s['machine']} | rollout dtype {s['rollout_dtype']} | bucket {s['bucket_mb']} MiB"
+        f" | MALLOC_MMAP_THRESHOLD_={s['malloc_mmap_threshold'] or 'unset'}",
+        f"model: {s['num_params']:,} params = {mib(model)} MiB in {s['rollout_dtype']}; "
+        f"largest tensor {mib(s['largest_tensor_bytes'])} MiB ({s['largest_tensor']}); "
+        f"largest vLLM (fused) param {mib(s['vllm_largest_param_bytes'])} MiB ({s['vllm_largest_param']})",
+        f"target = largest bucket {mib(s['max_largest_bucket'])} + largest tensor {mib(s['largest_tensor_bytes'])}"
+        f" = {mib(target)} MiB = {target / model:.2f} x model",
+        "[MiB; x = multiple of model/target]",
+        f"{'rank':>4} {'push':>4} {'time_s':>6} {'trim_ms':>7} {'rss_before':>10} {'rss_left':>8}"
+        f" {'peak_os':>7} {'x':>9} {'live_heap':>9} {'x':>9} {'tensors':>7} {'x':>9} {'bucket':>6} {'yielded':>7}",
     ]
     for r in s["ranks"]:
         for p in r["pushes"]:
             lines.append(
-                f"{r['rank']:4d} {p['version']:4d} {p['push_s']:7.2f} {mib(p['rss_before']):>11}"
-                f" {mib(p['peak_extra_os']):>14} {mib(p['largest_bucket']):>15} {mib(p['live_yielded_peak']):>13}"
-                f" {p['peak_extra_os'] / s['model_bytes']:11.3f}"
+                f"{r['rank']:4d} {p['version']:4d} {p['push_s']:6.2f} {p['trim_s'] * 1e3:7.1f}"
+                f" {mib(p['rss_before']):>10} {mib(p['rss_left']):>8}"
+                f" {mib(p['peak_extra_os']):>7} {x(p['peak_extra_os']):>9}"
+                f" {mib(p['live_heap_peak']):>9} {x(p['live_heap_peak']):>9}"
+                f" {mib(p['tensors_peak']):>7} {x(p['tensors_peak']):>9}"
+                f" {mib(p['largest_bucket']):>6} {mib(p['live_yielded_peak']):>7}"
             )
     lines += [
-        f"max: peak_extra_os {s['max_peak_extra_os'] / MiB:.1f} MiB = {s['ratio_peak_extra_os_to_model']:.3f} x model"
-        f" = {s['ratio_peak_extra_os_to_target']:.2f} x target (largest bucket + largest tensor ="
-        f" {s['target_bytes'] / MiB:.1f} MiB); largest bucket {s['max_largest_bucket'] / MiB:.1f} MiB;"
-        f" live yielded {s['max_live_yielded'] / MiB:.1f} MiB; push {s['max_push_s']:.2f} s",
+        "max: "
+        + "; ".join(
+            f"{label} {mib(s[key])} MiB = {s[key] / model:.3f} x model = {s[key] / target:.2f} x target"
+            for label, key in (
+                ("peak_os", "max_peak_extra_os"),
+                ("live_heap", "max_live_heap_peak"),
+                ("tensors", "max_tensors_peak"),
+            )
+        ),
+        f"     live_heap peak: {s['max_live_heap_peak_at']};"
+        f" rss_left {mib(s['max_rss_left'])} MiB; live yielded {mib(s['max_live_yielded'])} MiB;"
+        f" push {s['max_push_s']:.2f} s (trim {s['max_trim_s'] * 1e3:.1f} ms);"
+        f" heap samples >= {s['min_heap_samples_per_s']:.0f}/s",
         "generation: "
         + "; ".join(
             f"rank {r['rank']} {r['gen_tokens_before']} tokens before, {r['gen_tokens_after']} after"

