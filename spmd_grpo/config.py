@@ -72,6 +72,9 @@ class FilterGroupsConfig:
     """Reward key whose spread decides whether a group is kept (`accuracy`, `overall`, or a custom key)."""
     max_num_gen_batches: int = 10
     """Generation batches per step before giving up with an error; <= 0 means unlimited."""
+    train_batch_size: int = -1
+    """Prompt groups to train on per step (-1: data.rollout_batch_size); each generation batch draws
+    data.rollout_batch_size prompts, so a larger rollout batch needs fewer generation batches."""
 
 
 @dataclass(frozen=True)
@@ -449,6 +452,14 @@ def validate(cfg: Config, world_size: int) -> None:
     require(
         0 <= d.max_bad_fraction <= 1, f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}"
     )
+    fg = cfg.algorithm.filter_groups
+    if fg.enable:
+        target = fg.train_batch_size if fg.train_batch_size > 0 else d.rollout_batch_size
+        require(
+            target * r.n % a.global_batch_size == 0,
+            f"algorithm.filter_groups.train_batch_size * worker.rollout.n ({target * r.n}) must be divisible by "
+            f"worker.actor.global_batch_size ({a.global_batch_size})",
+        )
     ob = cfg.algorithm.overlong_buffer
     require(
         not ob.enable or 0 < ob.length <= d.max_response_length,

@@ -257,3 +257,30 @@ def new_tp_groups(world: World, tp: int) -> dist.ProcessGroup | None:
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exchange_objects(per_destination: list[list], group: dist.ProcessGroup | None = None) -> list[list]:
+    """All-to-all of picklable objects: `per_destination[r]` goes to rank r; returns what each rank sent here.
+
+    Each object travels only to its destination (one all_to_all of sizes, one of bytes), unlike an
+    all_gather_object that would copy every rank's payload (images included) to every rank.
+    """
+    import pickle
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [list(per_destination[0])]
+    world = dist.get_world_size(group)
+    assert len(per_destination) == world, (len(per_destination), world)
+    payloads = [pickle.dumps(objs, protocol=pickle.HIGHEST_PROTOCOL) for objs in per_destination]
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    blob = b"".join(payloads)
+    send = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=group)
+    out, offset = [], 0
+    for size in recv_sizes.tolist():
+        out.append(pickle.loads(recv[offset : offset + size].numpy().tobytes()))
+        offset += size
+    return out

@@ -46,6 +46,20 @@ class Sample:
     finish_reason: str  # "stop" | "length"
     pixel_values: torch.Tensor | None = None  # trainer-side, same processor settings as vLLM
     image_grid_thw: torch.Tensor | None = None
+    gen_batch: int = 0  # which generation batch of the step produced it (DAPO may need several)
+    group_index: int = -1  # GRPO group key for the advantage (the prompt uid unless regrouped)
+    scores: dict[str, float] = field(default_factory=dict)  # reward outputs (overall, accuracy, ...)
+
+    def reward_input(self) -> dict[str, Any]:
+        """What a reward function receives for this sample (see reward.py's batch interface)."""
+        return {
+            "response": self.response_text,
+            "response_length": len(self.response_ids),
+            "ground_truth": self.prompt.ground_truth,
+            "uid": self.prompt.uid,
+            "sample_index": self.sample_index,
+            **self.prompt.extra,
+        }
 
 
 @dataclass(frozen=True)
@@ -58,9 +72,10 @@ class SamplingConfig:
     seed: int
 
 
-def request_seed(seed: int, step: int, uid: int, sample_index: int) -> int:
+def request_seed(seed: int, step: int, uid: int, sample_index: int, gen_batch: int = 0) -> int:
     """A per-request seed that is a pure function of its coordinates (fits in 63 bits)."""
-    return (((seed * 1_000_003 + step) * 1_000_033 + uid) * 1_009 + sample_index) % (2**63 - 1)
+    key = (((seed * 1_000_003 + step) * 1_000_033 + gen_batch) * 1_000_037 + uid) * 1_009 + sample_index
+    return key % (2**63 - 1)
 
 
 def generate(
@@ -72,6 +87,7 @@ def generate(
     tp_group: dist.ProcessGroup | None,
     stop_token_ids: list[int],
     keep_all: bool = False,
+    gen_batch: int = 0,
 ) -> list[Sample]:
     """Sample `n` responses for each of this rank's prompts; returns them in (prompt, sample) order.
 
@@ -97,7 +113,7 @@ def generate(
                         top_p=sampling.top_p,
                         top_k=sampling.top_k,
                         max_tokens=sampling.max_tokens,
-                        seed=request_seed(sampling.seed, step, p.uid, k),
+                        seed=request_seed(sampling.seed, step, p.uid, k, gen_batch),
                         logprobs=0,
                         stop_token_ids=stop_token_ids,
                         skip_special_tokens=True,
@@ -122,6 +138,8 @@ def generate(
                 rollout_logprobs=logprobs,
                 response_text=completion.text,
                 finish_reason=completion.finish_reason or "length",
+                gen_batch=gen_batch,
+                group_index=p.uid,
             )
         )
     return samples

@@ -88,11 +88,14 @@ def report(rows: list[dict], val_rows: list[dict], elapsed: float) -> int:
                 f"{r['step']:>5} "
                 + "  ".join(f"{k} {v:.3f}" for k, v in sorted(r.items()) if k.startswith("val-core/"))
             )
-    first = sum(r["critic/score/mean"] for r in rows[:5]) / min(5, len(rows))
-    final = sum(r["critic/score/mean"] for r in rows[-5:]) / min(5, len(rows))
+    # With DAPO dynamic sampling the trained batch is filtered (only groups with spread): judge learning by
+    # the score of everything generated instead.
+    key = "train/gen_score/mean" if "train/gen_score/mean" in rows[0] else "critic/score/mean"
+    first = sum(r[key] for r in rows[:5]) / min(5, len(rows))
+    final = sum(r[key] for r in rows[-5:]) / min(5, len(rows))
     ok = final >= TARGET
     print(
-        f"\nmean reward: first 5 steps {first:.3f} -> last 5 steps {final:.3f} (target >= {TARGET}); "
+        f"\nmean reward ({key}): first 5 steps {first:.3f} -> last 5 steps {final:.3f} (target >= {TARGET}); "
         f"{len(rows)} steps, wall time {elapsed:.0f} s: {'PASS' if ok else 'FAIL'}"
     )
     return 0 if ok else 1

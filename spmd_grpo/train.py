@@ -65,10 +65,11 @@ def run(cfg: Config) -> None:
     from .advantage import compute_batch_std_advantages, compute_grpo_advantages
     from .config import dump_yaml
     from .data import PromptSampler, load_dataset
+    from .dynamic_sampling import count_groups, kept_groups, select_and_rebalance
     from .engine import RolloutEngine, iter_sharded_weights
     from .metrics import MetricsWriter, Timer, console_line, global_means, global_stats
     from .model import build_optimizer, build_policy, build_reference, clip_grad_norm, resolve_dtype
-    from .reward import load_reward_function, score_samples
+    from .reward import load_reward_function, overlong_penalty, score_samples
     from .rollout import Prompt, SamplingConfig, attach_pixel_values, generate
     from .update import compute_logprobs, update_policy
     from .validation import validate
@@ -174,6 +175,40 @@ def run(cfg: Config) -> None:
             return cfg.trainer.val_before_train
         return cfg.trainer.val_freq > 0 and (step % cfg.trainer.val_freq == 0 or step == total_steps)
 
+    def rollout_and_score(step: int, gen_batch: int, timer: Timer) -> list:
+        """One generation batch: this rank's prompts -> samples with reward scores (and overlong shaping)."""
+        prompts = [
+            Prompt(uid, ex.prompt_token_ids, ex.images, ex.answer, {"data_source": ex.data_source})
+            for uid, pos in sampler.next_batch()
+            for ex in [dataset[pos]]
+        ]
+        with timer("gen"):
+            engine.prepare_for_rollout(lambda: push_weights(timer, version))
+            samples = generate(
+                engine,
+                prompts,
+                sampling,
+                step,
+                tp_group=tp_group,
+                stop_token_ids=stop_ids,
+                gen_batch=gen_batch,
+            )
+            engine.sleep()
+        attach_pixel_values(samples, processor.image_processor)
+        with timer("reward"):
+            rewards = score_samples(
+                reward_fn, [s.reward_input() for s in samples], batch_name=f"step {step} rank {world.rank}"
+            )
+            ob = alg.overlong_buffer
+            if ob.enable:  # DAPO overlong shaping, added to the score (logged as reward/overlong_penalty)
+                lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+                penalty = overlong_penalty(lengths, d.max_response_length, ob.length, ob.penalty_factor)
+                rewards["overlong_penalty"] = penalty
+                rewards["overall"] = rewards["overall"] + penalty
+        for i, s in enumerate(samples):
+            s.scores = {k: float(v[i]) for k, v in rewards.items()}
+        return samples
+
     version = 0
     if validation_due(0):
         timer = Timer(world.device_type)
@@ -186,38 +221,31 @@ def run(cfg: Config) -> None:
     for step in range(1, total_steps + 1):
         timer = Timer(world.device_type)
         with timer("step"):
-            # ---- rollout: push the policy if it changed, generate, release the engine's memory
-            batch = sampler.next_batch()
-            prompts = [
-                Prompt(uid, ex.prompt_token_ids, ex.images, ex.answer, {"data_source": ex.data_source})
-                for uid, pos in batch
-                for ex in [dataset[pos]]
-            ]
-
-            with timer("gen"):
-                engine.prepare_for_rollout(lambda: push_weights(timer, version))  # noqa: B023 (called now)
-                samples = generate(
-                    engine, prompts, sampling, step, tp_group=tp_group, stop_token_ids=stop_ids
-                )
-                engine.sleep()
-            attach_pixel_values(samples, processor.image_processor)
-
-            # ---- reward
-            with timer("reward"):
-                rewards = score_samples(
-                    reward_fn,
-                    [
-                        {
-                            "response": s.response_text,
-                            "response_length": len(s.response_ids),
-                            "ground_truth": s.prompt.ground_truth,
-                            "uid": s.prompt.uid,
-                            **s.prompt.extra,
-                        }
-                        for s in samples
-                    ],
-                    batch_name=f"step {step} rank {world.rank}",
-                )
+            # ---- rollout + reward; with DAPO dynamic sampling, until enough groups have signal
+            fg = alg.filter_groups
+            target_groups = fg.train_batch_size if fg.train_batch_size > 0 else d.rollout_batch_size
+            samples, num_gen_batches, num_groups_generated, generated_scores = [], 0, 0, []
+            while True:
+                batch_samples = rollout_and_score(step, num_gen_batches, timer)
+                generated_scores += [s.scores["overall"] for s in batch_samples]
+                num_gen_batches += 1
+                if not fg.enable:
+                    samples = batch_samples
+                    break
+                num_groups_generated += d.rollout_batch_size
+                samples += kept_groups(batch_samples, fg.metric, d.rollout_batch_size)
+                num_kept = count_groups(samples)
+                if num_kept >= target_groups:  # every rank sees the same global count: same branch
+                    samples = select_and_rebalance(samples, target_groups, world)
+                    break
+                if 0 < fg.max_num_gen_batches <= num_gen_batches:
+                    raise RuntimeError(
+                        f"DAPO dynamic sampling: only {num_kept} of {target_groups} groups had non-zero spread of "
+                        f"'{fg.metric}' after {num_gen_batches} generation batches "
+                        f"(algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}); raise the limit, "
+                        "set it <= 0 for no limit, or check the reward"
+                    )
+            rewards = {k: torch.tensor([s.scores[k] for s in samples]) for k in samples[0].scores}
             scores = rewards["overall"]
 
             # ---- old and reference logprobs (trainer side, forward only)
@@ -233,12 +261,13 @@ def run(cfg: Config) -> None:
 
             # ---- advantages: group statistics over all ranks
             with timer("adv"):
-                group_index = torch.tensor([s.prompt.uid for s in samples], dtype=torch.long)
+                group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
+                num_groups = target_groups if fg.enable else d.rollout_batch_size
                 if alg.adv_std_scope == "batch":
                     advantages, adv_metrics = compute_batch_std_advantages(
                         scores,
                         group_index,
-                        d.rollout_batch_size,
+                        num_groups,
                         eps=alg.adv_eps,
                         all_reduce_sum=D.all_reduce_sum,
                     )
@@ -246,7 +275,7 @@ def run(cfg: Config) -> None:
                     advantages, adv_metrics = compute_grpo_advantages(
                         scores,
                         group_index,
-                        d.rollout_batch_size,
+                        num_groups,
                         eps=alg.adv_eps,
                         all_reduce_sum=D.all_reduce_sum,
                         norm_by_std=alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo,
@@ -277,6 +306,11 @@ def run(cfg: Config) -> None:
         # ---- metrics (global over ranks)
         m = timer.metrics()
         m.update(val_metrics)
+        if fg.enable:
+            # The kept batch has spread by construction; this is the score of everything generated.
+            m.update(global_stats("train/gen_score", torch.tensor(generated_scores)))
+            m["train/num_gen_batches"] = float(num_gen_batches)
+            m["train/kept_group_frac"] = num_kept / max(1, num_groups_generated)
         m.update(update_metrics)
         m.update({f"adv/{k.split('/')[-1]}": v for k, v in adv_metrics.items()})
         m.update(global_stats("critic/score", scores))

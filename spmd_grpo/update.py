@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .config import ActorConfig, AlgorithmConfig, DataConfig
-from .distributed import World, all_reduce_sum
+from .distributed import World, all_reduce_max, all_reduce_min, all_reduce_sum
 from .logprobs import SequenceBatch, collate
 from .loss import aggregate, kl_penalty, policy_loss
 from .metrics import global_means
@@ -152,9 +152,11 @@ def update_policy(
     mini_size = actor.global_batch_size // world.world_size
     sums: dict[str, tuple[float, float]] = {}
     grad_norms, lrs = [], []
+    num_micro_batches = 0
     for _ in range(actor.ppo_epochs):
         for start in range(0, len(samples), mini_size):
             idx = list(range(start, min(start + mini_size, len(samples))))
+            num_micro_batches += math.ceil(len(idx) / actor.micro_batch_size_per_device_for_update)
             optim.optimizer.zero_grad(set_to_none=True)
             mini_sums = mini_batch_backward(
                 policy,
@@ -186,6 +188,10 @@ def update_policy(
     metrics = global_means(sums)
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["actor/lr"] = lrs[-1]
+    # Every rank must run the same number of forward/backward passes (else FSDP collectives hang): logged.
+    count = torch.tensor([float(num_micro_batches)])
+    metrics["train/num_micro_batches_min"] = float(all_reduce_min(count))
+    metrics["train/num_micro_batches_max"] = float(all_reduce_max(count))
     if ref_logprobs is not None:
         metrics["actor/kl_coef"] = alg.kl_coef
     return metrics

@@ -62,16 +62,7 @@ def validate(
     samples = generate(engine, prompts, sampling, step, tp_group=tp_group, stop_token_ids=stop_token_ids)
     rewards = score_samples(
         reward_fn,
-        [
-            {
-                "response": s.response_text,
-                "response_length": len(s.response_ids),
-                "ground_truth": s.prompt.ground_truth,
-                "uid": s.prompt.uid,
-                **s.prompt.extra,
-            }
-            for s in samples
-        ],
+        [s.reward_input() for s in samples],
         batch_name=f"validation at step {step}, rank {world.rank}",
     )
     # Every rank must reduce the same metric names (a rank may have no samples): agree on them first.
