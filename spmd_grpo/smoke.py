@@ -73,12 +73,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(rows: list[dict], val_rows: list[dict], elapsed: float) -> int:
+    # With DAPO dynamic sampling the trained batch is filtered (only groups with spread): judge learning by
+    # the score of everything generated instead.
+    key = "train/gen_score/mean" if "train/gen_score/mean" in rows[0] else "critic/score/mean"
     print(f"\n{'step':>5} {'score':>7} {'accuracy':>9} {'resp_len':>9} {'lp_diff_max':>12} {'s/step':>7}")
     every = max(1, len(rows) // 20)
     for r in rows:
         if r["step"] == 1 or r["step"] % every == 0 or r["step"] == len(rows):
             print(
-                f"{r['step']:>5} {r['critic/score/mean']:>7.3f} {r.get('reward/accuracy', float('nan')):>9.3f} "
+                f"{r['step']:>5} {r[key]:>7.3f} {r.get('reward/accuracy', float('nan')):>9.3f} "
                 f"{r['response_length/mean']:>9.2f} {r['rollout/logprob_diff_max']:>12.1e} {r['timing_s/step']:>7.2f}"
             )
     if val_rows:
@@ -88,9 +91,6 @@ def report(rows: list[dict], val_rows: list[dict], elapsed: float) -> int:
                 f"{r['step']:>5} "
                 + "  ".join(f"{k} {v:.3f}" for k, v in sorted(r.items()) if k.startswith("val-core/"))
             )
-    # With DAPO dynamic sampling the trained batch is filtered (only groups with spread): judge learning by
-    # the score of everything generated instead.
-    key = "train/gen_score/mean" if "train/gen_score/mean" in rows[0] else "critic/score/mean"
     first = sum(r[key] for r in rows[:5]) / min(5, len(rows))
     final = sum(r[key] for r in rows[-5:]) / min(5, len(rows))
     ok = final >= TARGET
