@@ -223,6 +223,8 @@ class TrainerConfig:
     """auto | none | <path to a global_step_N dir>."""
     collective_timeout_s: int = 1800
     log_every: int = 1
+    log_memory: bool = True
+    """Log one memory line per phase (rollout, update) on rank 0."""
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,22 @@ def empty_cache(device_type: str) -> None:
         mod.empty_cache()
 
 
+def set_expandable_segments(device_type: str, enabled: bool) -> None:
+    """CUDA allocator: expandable segments help training (less fragmentation) but must be off while vLLM's
+    sleep-mode allocator owns memory (older vLLM asserted on it). No-op elsewhere."""
+    if device_type == "cuda":
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+
+
+def memory_line(device_type: str, phase: str) -> str:
+    """One log line of memory at a phase boundary: device allocated/reserved (accelerators) and process RSS."""
+    mod = device_module(device_type)
+    device = ""
+    if mod is not None:
+        device = f"device allocated {mod.memory_allocated() / 2**30:.2f} GiB reserved {mod.memory_reserved() / 2**30:.2f} GiB, "
+    return f"memory after {phase}: {device}process RSS {cpu_memory_used_gb():.2f} GiB"
+
+
 def synchronize(device_type: str) -> None:
     mod = device_module(device_type)
     if mod is not None:

@@ -27,26 +27,43 @@ from .config import Config, ConfigError, load_config, validate
 from .distributed import env_world_size
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+def parse_args(argv: list[str]) -> tuple[str | None, list[str], dict[str, int] | None]:
+    """`cfg.yaml [key=value ...] [--dry-run [--nnodes N] [--nproc-per-node M]]`."""
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0)
-    path = argv[0] if argv and "=" not in argv[0] else None
-    return path, argv[1:] if path is not None else argv
-
-
-def load_and_validate(argv: list[str]) -> Config:
-    path, overrides = parse_args(argv)
-    cfg = load_config(path, overrides)
-    validate(cfg, env_world_size())
-    return cfg
+    dry_run = None
+    rest = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--dry-run":
+            dry_run = dry_run or {}
+        elif arg in ("--nnodes", "--nproc-per-node"):
+            value = next(it, None)
+            if value is None or not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"{arg} needs a positive integer, got {value!r}")
+            dry_run = dry_run or {}
+            dry_run[arg.lstrip("-").replace("-", "_")] = int(value)
+        elif arg.startswith("--"):
+            raise ConfigError(f"unknown option {arg} (options: --dry-run, --nnodes N, --nproc-per-node M)")
+        else:
+            rest.append(arg)
+    path = rest[0] if rest and "=" not in rest[0] else None
+    return path, rest[1:] if path is not None else rest, dry_run
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = load_and_validate(argv)
-    except ConfigError as e:
+        path, overrides, dry_run = parse_args(argv)
+        cfg = load_config(path, overrides)
+        if dry_run is not None:
+            from .plan import dry_run as plan
+
+            print(plan(cfg, dry_run.get("nnodes", 1), dry_run.get("nproc_per_node", 8)))
+            return
+        validate(cfg, env_world_size())
+    except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     run(cfg)
@@ -68,7 +85,14 @@ def run(cfg: Config) -> None:
     from .dynamic_sampling import count_groups, kept_groups, select_and_rebalance
     from .engine import RolloutEngine, iter_sharded_weights
     from .metrics import MetricsWriter, Timer, console_line, global_means, global_stats
-    from .model import build_optimizer, build_policy, build_reference, clip_grad_norm, resolve_dtype
+    from .model import (
+        build_optimizer,
+        build_policy,
+        build_reference,
+        clip_grad_norm,
+        move_optimizer_state,
+        resolve_dtype,
+    )
     from .reward import load_reward_function, overlong_penalty, score_samples
     from .rollout import Prompt, SamplingConfig, attach_pixel_values, generate
     from .update import compute_logprobs, update_policy
@@ -129,6 +153,11 @@ def run(cfg: Config) -> None:
         cfg.trainer.seed,
     )
     frozen_vision = actor.model.freeze_vision_tower
+    offload_optimizer = actor.fsdp.offload_optimizer and world.device_type != "cpu"
+    if actor.fsdp.offload_optimizer and world.device_type == "cpu" and world.is_main:
+        log.warning(
+            "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
+        )
     writer = MetricsWriter(cfg.run_dir, world.is_main)
     if world.is_main:
         dump_yaml(cfg, cfg.run_dir / "config.yaml")
@@ -183,7 +212,12 @@ def run(cfg: Config) -> None:
             for ex in [dataset[pos]]
         ]
         with timer("gen"):
+            if offload_optimizer:  # AdamW state leaves the device while vLLM is awake
+                move_optimizer_state(optim.optimizer, "cpu")
+            D.set_expandable_segments(world.device_type, False)  # vLLM's allocator owns memory now
             engine.prepare_for_rollout(lambda: push_weights(timer, version))
+            if cfg.trainer.log_memory:
+                log.info(D.memory_line(world.device_type, "wake + weight push"))
             samples = generate(
                 engine,
                 prompts,
@@ -194,6 +228,11 @@ def run(cfg: Config) -> None:
                 gen_batch=gen_batch,
             )
             engine.sleep()
+            D.set_expandable_segments(world.device_type, True)
+            if offload_optimizer:
+                move_optimizer_state(optim.optimizer, world.device)
+            if cfg.trainer.log_memory:
+                log.info(D.memory_line(world.device_type, "rollout + sleep"))
         attach_pixel_values(samples, processor.image_processor)
         with timer("reward"):
             rewards = score_samples(
@@ -298,6 +337,8 @@ def run(cfg: Config) -> None:
                     world,
                     clip_grad_norm,
                 )
+            if cfg.trainer.log_memory:
+                log.info(D.memory_line(world.device_type, "update"))
             version += 1
 
         # ---- validation (after the update: it measures the new policy)

@@ -1,0 +1,35 @@
+"""`--dry-run` plans a production job on one CPU process without weights or network."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from spmd_grpo.config import load_config
+from spmd_grpo.plan import dry_run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_7b_geo3k_plan_for_4_nodes_x_8():
+    cfg = load_config(REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml")
+    plan = dry_run(cfg, nnodes=4, nproc_per_node=8)
+    assert "world 32" in plan
+    assert "8.29B parameters" in plan  # Qwen2.5-VL-7B-Instruct, built on the meta device
+    assert "16 x TP 2" in plan and "[[0, 1], [2, 3]" in plan
+    assert "rank 0: prompts 0..15" in plan and "rank 31: prompts 496..511" in plan
+    assert "20 mini-batch(es) of 4 per rank" in plan
+    assert "input_ids [4, 4096]" in plan
+    assert "peak while training" in plan and "peak during rollout" in plan
+
+
+def test_dry_run_cli_rejects_a_world_the_config_cannot_split():
+    proc = subprocess.run(
+        [sys.executable, "-m", "spmd_grpo.train", "configs/qwen2_5_vl_7b_geo3k_grpo.yaml", "--dry-run",
+         "--nnodes", "3", "--nproc-per-node", "7"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "config error: data.rollout_batch_size (512) must be divisible by the world size (21)"
+    )
