@@ -84,7 +84,7 @@ def model_config(model_path: str):
         ), "built-in (offline)"
 
 
-def dry_run(cfg: Config, nnodes: int, nproc_per_node: int) -> str:
+def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: float = 80.0) -> str:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     world = nnodes * nproc_per_node
@@ -180,29 +180,34 @@ def dry_run(cfg: Config, nnodes: int, nproc_per_node: int) -> str:
         * text.num_hidden_layers
         * (1 if a.model.enable_gradient_checkpointing else 16),
     }
-    kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * bf16 / tp
-    kv_batch = prompts_per_rank * tp * r.n * seq * kv_per_token  # the group's sequences, this rank's heads
-    engine = {
-        f"vLLM weights bf16 / TP {tp}": bf16 * num_params / tp,
-        f"vLLM KV cache for one step's batch ({prompts_per_rank * tp * r.n} seqs x {seq} tokens)": kv_batch,
-    }
-    lines.append("memory per rank (GiB, arithmetic):")
-    lines += [f"  train  {name:<70} {v / GiB:8.2f}" for name, v in est.items()]
-    lines += [f"  rollout {name:<69} {v / GiB:8.2f}" for name, v in engine.items()]
-    sleep = r.enable_sleep_mode
+    kv_per_token = (
+        2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * bf16 / tp
+    )  # this rank's heads
+    vllm_weights = bf16 * num_params / tp
+    budget = r.gpu_memory_utilization * device_memory_gb * GiB  # what vLLM reserves while awake
+    kv_capacity = max(0.0, budget - vllm_weights)
+    concurrent = int(kv_capacity // (seq * kv_per_token))
+    group_seqs = prompts_per_rank * tp * r.n
+    resident = est["policy fp32 master shard"] + (
+        0.0 if a.fsdp.offload_optimizer else est["AdamW states fp32 shard"]
+    )
+    lines.append(f"memory per rank (GiB, arithmetic; device {device_memory_gb:g} GiB):")
+    lines += [f"  train   {name:<70} {v / GiB:8.2f}" for name, v in est.items()]
     train_total = sum(est.values())
-    # During rollout gradients are freed; the policy shard and Adam states stay unless offloaded.
-    rollout_total = sum(engine.values()) + est["policy fp32 master shard"] + est["AdamW states fp32 shard"]
     lines.append(
         f"  peak while training  ~{train_total / GiB:.1f} GiB"
-        + (" (vLLM asleep: weights/KV released)" if sleep else " + vLLM resident")
+        + (" (vLLM asleep: weights and KV released)" if r.enable_sleep_mode else " + vLLM resident")
     )
     lines.append(
-        f"  peak during rollout  ~{rollout_total / GiB:.1f} GiB (vLLM awake + policy shard + Adam shard)"
-        f"; vLLM reserves gpu_memory_utilization={r.gpu_memory_utilization} of the device"
+        f"  rollout: trainer state kept on the device {resident / GiB:.1f} GiB (policy shard"
+        + (")" if a.fsdp.offload_optimizer else " + AdamW states; fsdp.offload_optimizer moves them off)")
+        + f" + vLLM reservation {budget / GiB:.1f} GiB (gpu_memory_utilization {r.gpu_memory_utilization})"
+        f" = {(resident + budget) / GiB:.1f} GiB -> {'fits' if resident + budget <= device_memory_gb * GiB else 'DOES NOT FIT'}"
     )
     lines.append(
-        f"  KV cache: {kv_per_token * tp / 2**10:.0f} KiB/token/model; "
-        f"{math.floor(r.max_num_batched_tokens / seq) or 1} max-length prompt(s) per scheduler step"
+        f"  vLLM: weights {vllm_weights / GiB:.2f} GiB (bf16 / TP {tp}), KV space {kv_capacity / GiB:.1f} GiB at "
+        f"{kv_per_token / 2**10:.0f} KiB/token/rank -> {concurrent} concurrent max-length ({seq}-token) sequences"
+        f" per TP group; the step's {group_seqs} sequences per group run in "
+        f"{math.ceil(group_seqs / concurrent) if concurrent else 'NO'} wave(s) at worst"
     )
     return "\n".join(lines)

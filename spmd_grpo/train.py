@@ -28,7 +28,7 @@ from .distributed import env_world_size
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], dict[str, int] | None]:
-    """`cfg.yaml [key=value ...] [--dry-run [--nnodes N] [--nproc-per-node M]]`."""
+    """`cfg.yaml [key=value ...] [--dry-run [--nnodes N] [--nproc-per-node M] [--device-memory-gb G]]`."""
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0)
@@ -38,14 +38,16 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], dict[str, int] |
     for arg in it:
         if arg == "--dry-run":
             dry_run = dry_run or {}
-        elif arg in ("--nnodes", "--nproc-per-node"):
+        elif arg in ("--nnodes", "--nproc-per-node", "--device-memory-gb"):
             value = next(it, None)
             if value is None or not value.isdigit() or int(value) < 1:
                 raise ConfigError(f"{arg} needs a positive integer, got {value!r}")
             dry_run = dry_run or {}
             dry_run[arg.lstrip("-").replace("-", "_")] = int(value)
         elif arg.startswith("--"):
-            raise ConfigError(f"unknown option {arg} (options: --dry-run, --nnodes N, --nproc-per-node M)")
+            raise ConfigError(
+                f"unknown option {arg} (options: --dry-run, --nnodes N, --nproc-per-node M, --device-memory-gb G)"
+            )
         else:
             rest.append(arg)
     path = rest[0] if rest and "=" not in rest[0] else None
@@ -60,7 +62,14 @@ def main(argv: list[str] | None = None) -> None:
         if dry_run is not None:
             from .plan import dry_run as plan
 
-            print(plan(cfg, dry_run.get("nnodes", 1), dry_run.get("nproc_per_node", 8)))
+            print(
+                plan(
+                    cfg,
+                    dry_run.get("nnodes", 1),
+                    dry_run.get("nproc_per_node", 8),
+                    dry_run.get("device_memory_gb", 80),
+                )
+            )
             return
         validate(cfg, env_world_size())
     except (ConfigError, ValueError) as e:

@@ -19,7 +19,7 @@ def test_7b_geo3k_plan_for_4_nodes_x_8():
     assert "rank 0: prompts 0..15" in plan and "rank 31: prompts 496..511" in plan
     assert "20 mini-batch(es) of 4 per rank" in plan
     assert "input_ids [4, 4096]" in plan
-    assert "peak while training" in plan and "peak during rollout" in plan
+    assert "peak while training" in plan and "-> fits" in plan and "concurrent max-length" in plan
 
 
 def test_dry_run_cli_rejects_a_world_the_config_cannot_split():
