@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(cfg: Config) -> None:
     import logging
     import os
+    from functools import partial
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
@@ -311,23 +312,17 @@ def run(cfg: Config) -> None:
             with timer("adv"):
                 group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
                 num_groups = target_groups if fg.enable else d.rollout_batch_size
-                if alg.adv_std_scope == "batch":
-                    advantages, adv_metrics = compute_batch_std_advantages(
-                        scores,
-                        group_index,
-                        num_groups,
-                        eps=alg.adv_eps,
-                        all_reduce_sum=D.all_reduce_sum,
-                    )
-                else:
-                    advantages, adv_metrics = compute_grpo_advantages(
-                        scores,
-                        group_index,
-                        num_groups,
-                        eps=alg.adv_eps,
-                        all_reduce_sum=D.all_reduce_sum,
+                estimator = (
+                    compute_batch_std_advantages
+                    if alg.adv_std_scope == "batch"
+                    else partial(
+                        compute_grpo_advantages,
                         norm_by_std=alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo,
                     )
+                )
+                advantages, adv_metrics = estimator(
+                    scores, group_index, num_groups, eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum
+                )
 
             # ---- update
             with timer("update_actor"):
