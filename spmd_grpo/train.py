@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(cfg: Config) -> None:
     import logging
     import os
+    import signal
     from functools import partial
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -90,6 +91,7 @@ def run(cfg: Config) -> None:
 
     from . import distributed as D
     from .advantage import compute_batch_std_advantages, compute_grpo_advantages
+    from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
     from .config import dump_yaml
     from .data import PromptSampler, load_dataset
     from .dynamic_sampling import count_groups, kept_groups, select_and_rebalance
@@ -258,16 +260,44 @@ def run(cfg: Config) -> None:
             s.scores = {k: float(v[i]) for k, v in rewards.items()}
         return samples
 
-    version = 0
-    if validation_due(0):
+    # ---- resume: policy, optimizer, schedule, data position, policy version, RNG
+    version, start_step = 0, 1
+    checkpoint = find_checkpoint(cfg.run_dir, cfg.trainer.resume)
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, policy=policy, optim=optim, world=world)
+        sampler.load_state_dict(state["sampler"])
+        version, start_step = state["version"], state["step"] + 1
+        if writer.rollback(state["step"]):
+            log.warning(
+                "metrics of steps after %d moved to metrics.rolledback.jsonl: they are redone", state["step"]
+            )
+        log.info("resumed from %s (step %d, policy version %d, saved on %d ranks)", checkpoint, state["step"],
+                 version, state["world_size"])  # fmt: skip
+
+    def save(step: int, timer: Timer) -> None:
+        with timer("save_checkpoint"):
+            trainer_state = {"step": step, "version": version, "sampler": sampler.state_dict()}
+            save_checkpoint(cfg.run_dir, step, policy=policy, optim=optim, trainer_state=trainer_state, world=world,
+                            save_limit=cfg.trainer.save_limit, model_path=model_path)  # fmt: skip
+
+    # SIGTERM/SIGINT (Slurm preemption, Ctrl-C): finish the step, save, exit non-zero. All ranks agree on the
+    # stop at the step boundary (a collective), so they save together.
+    stop_signal: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
+    if validation_due(0) and start_step == 1:
         timer = Timer(world.device_type)
         m = run_validation(0, timer)
         m.update(timer.metrics())
         writer.write(0, m)
         if world.is_main:
             log.info(console_line(0, total_steps, m))
-    bar = tqdm(total=total_steps, disable=not world.is_main, desc="grpo", dynamic_ncols=True)
-    for step in range(1, total_steps + 1):
+    bar = tqdm(
+        total=total_steps, initial=start_step - 1, disable=not world.is_main, desc="grpo", dynamic_ncols=True
+    )
+    stopping = False
+    for step in range(start_step, total_steps + 1):
         timer = Timer(world.device_type)
         with timer("step"):
             # ---- rollout + reward; with DAPO dynamic sampling, until enough groups have signal
@@ -348,6 +378,12 @@ def run(cfg: Config) -> None:
         # ---- validation (after the update: it measures the new policy)
         val_metrics = run_validation(step, timer) if validation_due(step) else {}
 
+        # ---- checkpoint: every save_freq steps, at the end, and when asked to stop
+        stopping = D.any_rank(bool(stop_signal), world.device)
+        save_freq = cfg.trainer.save_freq
+        if stopping or (save_freq > 0 and (step % save_freq == 0 or step == total_steps)):
+            save(step, timer)
+
         # ---- metrics (global over ranks)
         m = timer.metrics()
         m.update(val_metrics)
@@ -402,10 +438,17 @@ def run(cfg: Config) -> None:
             bar.update(1)
             if step % cfg.trainer.log_every == 0 or step == total_steps:
                 bar.write(console_line(step, total_steps, m))
+        if stopping:
+            log.warning(
+                "stop requested by signal %s: checkpoint of step %d saved, exiting", stop_signal or "?", step
+            )
+            break
     bar.close()
     D.barrier()
     engine.shutdown()
     D.destroy()
+    if stopping:
+        raise SystemExit(128 + (stop_signal[0] if stop_signal else signal.SIGTERM))
 
 
 if __name__ == "__main__":
