@@ -381,6 +381,13 @@ def _plain(obj: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- validation
+def env_world_size() -> int:
+    """World size from torchrun's environment (1 without torchrun); read before any process group exists."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Cross-field rules that need the world size; raise ConfigError on the first violation."""
     d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout

@@ -119,10 +119,6 @@ class World:
         return [list(range(g * tp, (g + 1) * tp)) for g in range(self.world_size // tp)]
 
 
-def env_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_distributed(device: str = "auto", timeout_s: int = 1800) -> World:
     """Initialise the default process group from torchrun's environment (or a 1-process world without it)."""
     device_type = resolve_device_type(device)

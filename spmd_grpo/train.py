@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from .config import Config, ConfigError, load_config, validate
-from .distributed import env_world_size
+from .config import Config, ConfigError, env_world_size, load_config, validate
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], dict[str, int] | None]:
