@@ -1,0 +1,147 @@
+"""Export a checkpoint written by the trainer (2 ranks, torchrun) to an HF directory; load it in transformers
+and in vLLM (plain python subprocess) with an image prompt; the exported tensors are the trained parameters.
+
+fp32 export, so the comparisons are exact; shards of 1 MB, so the tiny model spans several files + an index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+import spmd_grpo.export as export_mod
+from spmd_grpo.export import export_hf
+from tests.conftest import REPO, torchrun
+
+pytestmark = pytest.mark.engine
+
+VLLM_SCRIPT = r"""
+import json, sys
+from PIL import Image
+from vllm import LLM, SamplingParams
+
+out_dir, prompt, result = sys.argv[1], sys.argv[2], sys.argv[3]
+llm = LLM(model=out_dir, enforce_eager=True, dtype="float32", max_model_len=512, limit_mm_per_prompt={"image": 1})
+image = Image.new("RGB", (56, 56), (200, 40, 40))
+params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
+o = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params)[0].outputs[0]
+first = {int(t): float(lp.logprob) for t, lp in o.logprobs[0].items()}
+json.dump({"token_ids": list(o.token_ids), "first_logprobs": first}, open(result, "w"))
+"""
+
+
+def weight_names(model_dir) -> set[str]:
+    names = set()
+    for f in model_dir.glob("model*.safetensors"):
+        with safe_open(f, "pt") as st:
+            names.update(st.keys())
+    return names
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_export_loads_in_transformers_and_vllm(tied, tiny_tied, tiny_untied, tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model_dir = tiny_tied if tied else tiny_untied
+    torchrun(
+        [
+            "tests/jobs/checkpoint_roundtrip.py",
+            str(model_dir),
+            str(tmp_path / "run"),
+            str(tmp_path / "save.pt"),
+            "--phase",
+            "save",
+        ]
+    )
+    trained = torch.load(tmp_path / "save.pt", weights_only=False)["at_save"]["params"]  # the checkpoint's
+    ckpt = tmp_path / "run" / "checkpoints" / "global_step_2"
+
+    # Streaming: every DCP read holds at most one shard's tensors.
+    loads = []
+    real_load = export_mod.dcp.load
+    monkeypatch.setattr(
+        export_mod.dcp,
+        "load",
+        lambda sd, **kw: (
+            loads.append(sum(t.numel() * t.element_size() for t in sd.values())),
+            real_load(sd, **kw),
+        ),
+    )
+    out = export_hf(ckpt, tmp_path / "hf", "float32", shard_size_mb=1)
+    monkeypatch.undo()
+    total = sum(
+        t.numel() * t.element_size() for n, t in trained.items() if not (tied and n == "lm_head.weight")
+    )
+    assert len(loads) >= 2 and max(loads) <= 1 << 20 and sum(loads) == total
+
+    files = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in files and "config.json" in files
+    assert {
+        "generation_config.json",
+        "tokenizer.json",
+        "processor_config.json",
+        "chat_template.jinja",
+    } <= set(files)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == weight_names(out)
+    # Same tensor names as the base checkpoint (transformers' on-disk names); lm_head only when untied.
+    assert weight_names(out) == weight_names(model_dir)
+    assert ("lm_head.weight" in weight_names(out)) == (not tied)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+    # transformers: every parameter is the trained one (also proves no tensor was left at its init).
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert set(trained) <= set(params)
+    for name, t in trained.items():
+        assert torch.equal(params[name].detach(), t), name
+    if tied:
+        assert (
+            params["lm_head.weight"].data_ptr()
+            == params["model.language_model.embed_tokens.weight"].data_ptr()
+        )
+
+    processor = AutoProcessor.from_pretrained(out)
+    content = [{"type": "image"}, {"type": "text", "text": "Which color?"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    inputs = processor(text=[prompt], images=[Image.new("RGB", (56, 56), (200, 40, 40))], return_tensors="pt")
+    gen = model.generate(
+        **inputs,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert gen.sequences.shape[1] == inputs["input_ids"].shape[1] + 4
+    hf_first = torch.log_softmax(gen.logits[0][0].float(), dim=-1)  # raw logits, as vLLM reports
+
+    # vLLM loads the same directory and agrees on the first token's distribution.
+    result = tmp_path / "vllm.json"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # no separate engine-core process: ~3x faster start here
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_SCRIPT, str(out), prompt, str(result)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    got = json.loads(result.read_text())
+    assert len(got["token_ids"]) == 4
+    first = {int(t): lp for t, lp in got["first_logprobs"].items()}
+    assert max(abs(lp - hf_first[t].item()) for t, lp in first.items()) < 1e-3, (first, hf_first.topk(5))

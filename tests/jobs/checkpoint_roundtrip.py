@@ -1,0 +1,148 @@
+"""torchrun job: train, checkpoint, resume in a fresh process (any world size), continue identically.
+
+    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py MODEL_DIR RUN_DIR OUT.pt --phase save
+    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py MODEL_DIR RUN_DIR OUT.pt --phase resume
+
+`save`: FSDP2 policy (fp32) + AdamW with a warmup schedule; steps 1 and 2 on a deterministic multimodal
+log-likelihood loss, saving after each (save_limit=1, so step 1 is pruned); then the uninterrupted reference
+continues with step 3. `resume`: a fresh policy/optimizer loads the newest checkpoint (`find_checkpoint(auto)`)
+and takes the same step 3. Rank 0 writes OUT.pt with, at the checkpoint (`at_save`) and after step 3
+(`params_after`): full parameters and Adam moments keyed by HF name, lr, scheduler step, the next global prompt
+batch of the restored sampler and an RNG probe drawn right after the save / load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from spmd_grpo.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
+from spmd_grpo.data import PromptSampler
+from spmd_grpo.distributed import all_gather_objects, init_distributed, seed_everything
+from spmd_grpo.engine import hf_name
+from spmd_grpo.logprobs import collate
+from spmd_grpo.model import build_optimizer, build_policy
+
+GLOBAL_BATCH = 2
+TOTAL_STEPS = 10
+SAVE_STEPS = (1, 2)
+
+
+def make_batch(processor, step: int, rank: int, world_size: int):
+    """This rank's share of a fixed global batch of GLOBAL_BATCH image+text sequences for `step`."""
+    share = GLOBAL_BATCH // world_size
+    prompts, responses, pixels, grids = [], [], [], []
+    for i in range(rank * share, (rank + 1) * share):
+        gen = torch.Generator().manual_seed(1000 * step + i)
+        image = Image.new("RGB", (56, 56 + 28 * (i % 2)), ((60 * step + 90 * i) % 255, 120, 200))
+        content = [{"type": "image"}, {"type": "text", "text": f"Which color? {step} {i}"}]
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
+        enc = processor(text=[text], images=[image], return_tensors="pt")
+        prompts.append(enc["input_ids"][0].tolist())
+        responses.append(torch.randint(0, 256, (3 + 4 * i,), generator=gen).tolist())
+        pixels.append(enc["pixel_values"])
+        grids.append(enc["image_grid_thw"])
+    return collate(prompts, responses, pixels, grids, processor.tokenizer.pad_token_id)
+
+
+def train_step(policy, optim, processor, step: int, world) -> None:
+    """Mean over sequences of per-sequence mean log-likelihood (FSDP averages the ranks' shares)."""
+    batch = make_batch(processor, step, world.rank, world.world_size)
+    logprobs, _ = policy(batch)
+    mask = batch.response_mask
+    loss = -((logprobs * mask).sum(1) / mask.sum(1)).mean()
+    loss.backward()
+    optim.optimizer.step()
+    optim.scheduler.step()
+    optim.optimizer.zero_grad(set_to_none=True)
+
+
+def snapshot(policy, optim) -> dict:
+    """Full (unsharded) parameters and Adam state; collective."""
+    params, exp_avg, exp_avg_sq, adam_step = {}, {}, {}, {}
+    for name, p in policy.named_parameters():
+        params[hf_name(name)] = p.full_tensor().detach().clone()
+        state = optim.optimizer.state.get(p, {})
+        if state:
+            exp_avg[hf_name(name)] = state["exp_avg"].full_tensor().clone()
+            exp_avg_sq[hf_name(name)] = state["exp_avg_sq"].full_tensor().clone()
+            adam_step[hf_name(name)] = float(state["step"])
+    return {
+        "params": params,
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+        "adam_step": adam_step,
+        "lr": optim.optimizer.param_groups[0]["lr"],
+        "scheduler_last_epoch": optim.scheduler.last_epoch,
+    }
+
+
+def rng_probe() -> list[float]:
+    return [random.random(), float(np.random.rand()), float(torch.rand(1))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("out")
+    ap.add_argument("--phase", choices=["save", "resume"], required=True)
+    args = ap.parse_args()
+    from transformers import AutoProcessor
+
+    world = init_distributed("cpu")
+    seed_everything(7 + world.rank)
+    processor = AutoProcessor.from_pretrained(args.model_dir)
+    actor = ActorConfig(
+        model=ModelConfig(model_path=args.model_dir),
+        optim=OptimConfig(lr=1e-3, lr_warmup_steps=4, lr_scheduler="cosine", min_lr_ratio=0.1),
+        fsdp=FSDPConfig(param_dtype="float32"),
+    )
+    policy = build_policy(actor, world)
+    optim = build_optimizer(policy, actor.optim, TOTAL_STEPS)
+    sampler = PromptSampler(10, GLOBAL_BATCH, world.rank, world.world_size, seed=3, shuffle=True)
+    out: dict = {"world_size": world.world_size}
+
+    if args.phase == "save":
+        for step in range(1, max(SAVE_STEPS) + 1):
+            train_step(policy, optim, processor, step, world)
+            sampler.next_batch()
+            rng_probe()  # training consumes the RNG streams: the saved state is not the seed's
+            if step in SAVE_STEPS:
+                trainer_state = {"step": step, "policy_version": step, "sampler": sampler.state_dict()}
+                save_checkpoint(
+                    args.run_dir,
+                    step,
+                    policy=policy,
+                    optim=optim,
+                    trainer_state=trainer_state,
+                    world=world,
+                    save_limit=1,
+                    model_path=args.model_dir,
+                )
+        out["rng_probe"] = rng_probe()
+    else:
+        path = find_checkpoint(args.run_dir, "auto")
+        assert path is not None, "no checkpoint found"
+        out["trainer_state"] = load_checkpoint(path, policy=policy, optim=optim, world=world)
+        out["rng_probe"] = rng_probe()
+        sampler.load_state_dict(out["trainer_state"]["sampler"])
+
+    out["at_save"] = snapshot(policy, optim)
+    out["next_prompts"] = [pair for batch in all_gather_objects(sampler.next_batch()) for pair in batch]
+    train_step(policy, optim, processor, max(SAVE_STEPS) + 1, world)
+    out["params_after"] = snapshot(policy, optim)["params"]
+    if world.rank == 0:
+        torch.save(out, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Checkpoint bookkeeping without torchrun: completeness rule, `find_checkpoint`, pruning, same-step reruns,
+and a save/load round trip of a small plain module in one process (DCP's no-process-group path)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from spmd_grpo.checkpoint import find_checkpoint, load_checkpoint, missing_parts, save_checkpoint
+from spmd_grpo.distributed import World
+from spmd_grpo.model import OptimizerBundle
+
+WORLD = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_dcp():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def fake_checkpoint(root: Path, name: str, *, complete: bool = True) -> Path:
+    d = root / "checkpoints" / name
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"")
+    if complete:
+        (d / "trainer_state.json").write_text("{}")
+    return d
+
+
+def make_bundle(seed: int) -> tuple[nn.Module, OptimizerBundle]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    return model, OptimizerBundle(opt, sched)
+
+
+def train(model: nn.Module, optim: OptimizerBundle, steps: int) -> None:
+    x = torch.linspace(-1, 1, 12).reshape(3, 4)
+    for _ in range(steps):
+        model(x).square().sum().backward()
+        optim.optimizer.step()
+        optim.scheduler.step()
+        optim.optimizer.zero_grad()
+
+
+def save(model, optim, run_dir: Path, step: int, save_limit: int = 0) -> Path:
+    return save_checkpoint(
+        run_dir,
+        step,
+        policy=model,
+        optim=optim,
+        trainer_state={"step": step, "sampler": {"epoch": 0, "position": step}},
+        world=WORLD,
+        save_limit=save_limit,
+        model_path="/models/base",
+    )
+
+
+def test_auto_picks_newest_complete_and_warns_about_the_rest(tmp_path, caplog):
+    fake_checkpoint(tmp_path, "global_step_3")
+    fake_checkpoint(tmp_path, "global_step_5")
+    fake_checkpoint(tmp_path, "global_step_7", complete=False)  # killed after DCP, before trainer_state.json
+    fake_checkpoint(tmp_path, "global_step_9.tmp")  # killed mid-save
+    (tmp_path / "checkpoints" / "latest").write_text("global_step_5")
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.checkpoint"):
+        assert find_checkpoint(tmp_path, "auto") == tmp_path / "checkpoints" / "global_step_5"
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert "global_step_9.tmp" in warned and "global_step_7" in warned and "trainer_state.json" in warned
+    assert "global_step_5" not in warned and "global_step_3" not in warned
+
+
+def test_auto_prefers_newest_over_a_stale_latest(tmp_path, caplog):
+    fake_checkpoint(tmp_path, "global_step_10")
+    fake_checkpoint(tmp_path, "global_step_2")  # numeric, not lexicographic order
+    (tmp_path / "checkpoints" / "latest").write_text("global_step_2")
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.checkpoint"):
+        assert find_checkpoint(tmp_path, "auto").name == "global_step_10"
+    assert "latest" in caplog.text
+
+
+def test_none_and_nothing_to_resume(tmp_path):
+    fake_checkpoint(tmp_path, "global_step_1")
+    assert find_checkpoint(tmp_path, "none") is None
+    assert find_checkpoint(tmp_path / "elsewhere", "auto") is None
+    fake_checkpoint(tmp_path / "b", "global_step_4.tmp")
+    assert find_checkpoint(tmp_path / "b", "auto") is None
+
+
+def test_explicit_path_is_validated(tmp_path):
+    good = fake_checkpoint(tmp_path, "global_step_4")
+    assert find_checkpoint(tmp_path, str(good)) == good
+    cases = {
+        str(tmp_path / "nope"): "directory",
+        str(fake_checkpoint(tmp_path, "global_step_6.tmp")): ".tmp",
+        str(fake_checkpoint(tmp_path, "global_step_8", complete=False)): "trainer_state.json",
+    }
+    for path, what in cases.items():
+        with pytest.raises(ValueError, match="missing") as e:
+            find_checkpoint(tmp_path, path)
+        assert path in str(e.value) and what in str(e.value)
+    assert missing_parts(good) == []
+
+
+def test_round_trip_prune_and_rerun(tmp_path):
+    model, optim = make_bundle(0)
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(tmp_path, "global_step_3.tmp")  # a killed save of step 3: replaced, never "pruned"
+    for step in range(1, 5):
+        train(model, optim, 1)
+        save(model, optim, tmp_path, step, save_limit=2)
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["global_step_3", "global_step_4", "latest"]
+    assert (root / "latest").read_text() == "global_step_4"
+    assert not missing_parts(root / "global_step_4")
+    state = json.loads((root / "global_step_4" / "trainer_state.json").read_text())
+    assert state == {
+        "step": 4,
+        "sampler": {"epoch": 0, "position": 4},
+        "world_size": 1,
+        "model_path": "/models/base",
+    }
+
+    # Saving the same step again (a rerun) replaces the complete directory and leaves nothing behind.
+    save(model, optim, tmp_path, 4, save_limit=2)
+    assert sorted(p.name for p in root.iterdir()) == names
+    expected_torch, expected_python = torch.rand(3).tolist(), random.random()
+
+    fresh, fresh_optim = make_bundle(1)
+    loaded = load_checkpoint(find_checkpoint(tmp_path, "auto"), policy=fresh, optim=fresh_optim, world=WORLD)
+    assert loaded == state
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(optim.optimizer.state[p]["exp_avg"], fresh_optim.optimizer.state[q]["exp_avg"])
+    assert fresh_optim.scheduler.last_epoch == optim.scheduler.last_epoch == 4
+    assert fresh_optim.optimizer.param_groups[0]["lr"] == optim.optimizer.param_groups[0]["lr"]
+    assert optim.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 5)
+    # Same world size: the RNG streams continue where the save left them.
+    assert torch.rand(3).tolist() == expected_torch and random.random() == expected_python
+
+
+def test_mismatched_model_and_bad_trainer_state_fail_clearly(tmp_path):
+    model, optim = make_bundle(0)
+    train(model, optim, 1)
+    with pytest.raises(TypeError):  # not JSON: fails before anything is written
+        save_checkpoint(
+            tmp_path,
+            1,
+            policy=model,
+            optim=optim,
+            trainer_state={"t": torch.zeros(1)},
+            world=WORLD,
+            save_limit=0,
+            model_path="m",
+        )
+    assert not (tmp_path / "checkpoints").exists()
+    path = save(model, optim, tmp_path, 1)
+    other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2), nn.Linear(2, 2))
+    opt = torch.optim.AdamW(other.parameters())
+    bundle = OptimizerBundle(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    with pytest.raises(ValueError, match="lacks .* entries"):
+        load_checkpoint(path, policy=other, optim=bundle, world=WORLD)
