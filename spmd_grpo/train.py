@@ -270,8 +270,6 @@ def run(cfg: Config) -> None:
             log.warning(
                 "metrics of steps after %d moved to metrics.rolledback.jsonl: they are redone", state["step"]
             )
-        log.info("resumed from %s (step %d, policy version %d, saved on %d ranks)", checkpoint, state["step"],
-                 version, state["world_size"])  # fmt: skip
 
     def save(step: int, timer: Timer) -> None:
         with timer("save_checkpoint"):
