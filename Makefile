@@ -38,6 +38,7 @@ smoke-test: install
 lint: install
 	$(PY) -m ruff check spmd_grpo tests
 	$(PY) -m ruff format --check spmd_grpo tests
+	$(VENV)/bin/shellcheck launch/*.sh launch/slurm/*.sbatch
 
 fmt: install
 	$(PY) -m ruff format spmd_grpo tests
