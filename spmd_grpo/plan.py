@@ -194,9 +194,11 @@ def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: flo
     lines.append(f"memory per rank (GiB, arithmetic; device {device_memory_gb:g} GiB):")
     lines += [f"  train   {name:<70} {v / GiB:8.2f}" for name, v in est.items()]
     train_total = sum(est.values())
+    headroom = "fits" if train_total <= 0.9 * device_memory_gb * GiB else "TOO TIGHT (> 90% of the device)"
     lines.append(
         f"  peak while training  ~{train_total / GiB:.1f} GiB"
         + (" (vLLM asleep: weights and KV released)" if r.enable_sleep_mode else " + vLLM resident")
+        + f" -> {headroom}"
     )
     lines.append(
         f"  rollout: trainer state kept on the device {resident / GiB:.1f} GiB (policy shard"

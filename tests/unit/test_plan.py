@@ -19,7 +19,23 @@ def test_7b_geo3k_plan_for_4_nodes_x_8():
     assert "rank 0: prompts 0..15" in plan and "rank 31: prompts 496..511" in plan
     assert "20 mini-batch(es) of 4 per rank" in plan
     assert "input_ids [4, 4096]" in plan
-    assert "peak while training" in plan and "-> fits" in plan and "concurrent max-length" in plan
+    training = next(line for line in plan.splitlines() if "peak while training" in line)
+    rollout = next(line for line in plan.splitlines() if "rollout: trainer state" in line)
+    assert training.endswith("-> fits") and rollout.endswith("-> fits")
+    assert "concurrent max-length" in plan
+
+
+def test_32b_on_8_devices_is_flagged_too_tight_for_training():
+    cfg = load_config(
+        REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml",
+        [
+            "worker.actor.model.model_path=Qwen/Qwen2.5-VL-32B-Instruct",
+            "worker.rollout.tensor_parallel_size=4",
+        ],
+    )
+    plan = dry_run(cfg, nnodes=1, nproc_per_node=8, device_memory_gb=80)
+    assert "33.45B parameters" in plan
+    assert "TOO TIGHT" in next(line for line in plan.splitlines() if "peak while training" in line)
 
 
 def test_dry_run_cli_rejects_a_world_the_config_cannot_split():
