@@ -19,7 +19,7 @@ install: $(STAMP)
 
 # The full suite CI runs: unit tests, real torchrun (gloo) tests, real vLLM CPU engine tests.
 test: install
-	$(PY) -m pytest -q --durations=10
+	$(PY) -m pytest -q --durations=25
 
 # Pure unit tests: seconds, no process groups, no engine.
 test-fast: install
