@@ -27,7 +27,8 @@ from .rollout import Sample
 log = logging.getLogger(__name__)
 
 
-def _collate(samples: list[Sample], pad_id: int, device: torch.device) -> SequenceBatch:
+def collate_samples(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu") -> SequenceBatch:
+    """Right-padded prompt+response batch of rollout samples, with their images, on `device`."""
     return collate(
         [s.prompt_ids for s in samples],
         [s.response_ids for s in samples],
@@ -54,7 +55,7 @@ def compute_logprobs(
     size = actor.micro_batch_size_per_device_for_experience
     for start in range(0, len(samples), size):
         chunk = samples[start : start + size]
-        lp, _ = model(_collate(chunk, pad_id, device), temperature=temperature)
+        lp, _ = model(collate_samples(chunk, pad_id, device), temperature=temperature)
         out += [lp[i, : len(s.response_ids)].float().cpu() for i, s in enumerate(chunk)]
     return out
 
@@ -96,7 +97,7 @@ def mini_batch_backward(
     size = actor.micro_batch_size_per_device_for_update
     for start in range(0, len(samples), size):
         idx = list(range(start, min(start + size, len(samples))))
-        batch = _collate([samples[i] for i in idx], pad_id, device)
+        batch = collate_samples([samples[i] for i in idx], pad_id, device)
         mask = batch.response_mask
         width = mask.shape[1]
         logprobs, entropy = policy(batch, temperature=temperature, with_entropy=True)

@@ -27,9 +27,9 @@ from PIL import Image
 from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
 from spmd_grpo.distributed import init_distributed, new_tp_groups
 from spmd_grpo.engine import RolloutEngine, iter_sharded_weights
-from spmd_grpo.logprobs import collate
 from spmd_grpo.model import build_policy
 from spmd_grpo.rollout import Prompt, SamplingConfig, attach_pixel_values, generate
+from spmd_grpo.update import collate_samples
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
 
@@ -53,13 +53,7 @@ def make_prompts(processor, rank: int, per_rank: int) -> list[Prompt]:
 
 
 def trainer_logprobs(policy, samples, pad_id: int) -> list[list[float]]:
-    batch = collate(
-        [s.prompt_ids for s in samples],
-        [s.response_ids for s in samples],
-        [s.pixel_values for s in samples],
-        [s.image_grid_thw for s in samples],
-        pad_id,
-    )
+    batch = collate_samples(samples, pad_id)
     with torch.no_grad():
         lp, _ = policy(batch)
     return [lp[i, : len(s.response_ids)].tolist() for i, s in enumerate(samples)]
@@ -125,13 +119,7 @@ def main() -> None:
     optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-2)
 
     def update_and_compare(samples, step: int, push: bool) -> tuple[float, float]:
-        batch = collate(
-            [s.prompt_ids for s in samples],
-            [s.response_ids for s in samples],
-            [s.pixel_values for s in samples],
-            [s.image_grid_thw for s in samples],
-            pad_id,
-        )
+        batch = collate_samples(samples, pad_id)
         optim.zero_grad()
         lp, _ = policy(batch)
         (-(lp * batch.response_mask).sum() / batch.response_mask.sum()).backward()
