@@ -14,8 +14,18 @@ pytestmark = pytest.mark.dist
 
 def _grads(tiny, tmp_path, world, micro, mode):
     out = tmp_path / f"g_w{world}_m{micro}_{mode}.pt"
-    torchrun(["tests/jobs/grad_invariance.py", str(tiny), str(out), "--micro", str(micro), "--loss-agg-mode", mode],
-             nproc=world)
+    torchrun(
+        [
+            "tests/jobs/grad_invariance.py",
+            str(tiny),
+            str(out),
+            "--micro",
+            str(micro),
+            "--loss-agg-mode",
+            mode,
+        ],
+        nproc=world,
+    )
     return torch.load(out)
 
 
