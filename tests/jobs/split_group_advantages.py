@@ -17,14 +17,22 @@ SCORES = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.4, 0.7, 0.1, 0.3, 1.0, 0.0, 0.
 GROUPS = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2])
 RANK_SLICES = [slice(0, 6), slice(6, 12)]  # rank 0: group 0 + 3 of group 1; rank 1: 2 of group 1 + group 2
 
-world = init_distributed("cpu")
-mine = RANK_SLICES[world.rank]
-out = {}
-for name, fn, kwargs in [
-    ("grpo", compute_grpo_advantages, {}),
-    ("drgrpo", compute_grpo_advantages, {"norm_by_std": False}),
-    ("batch_std", compute_batch_std_advantages, {}),
-]:
-    adv, _ = fn(SCORES[mine], GROUPS[mine], 3, all_reduce_sum=all_reduce_sum, **kwargs)
-    out[name] = adv
-torch.save(out, f"{sys.argv[1]}.rank{world.rank}.pt")
+
+def main() -> None:
+    """Runs only under torchrun: importing this module (the test does, for SCORES/GROUPS) must not
+    create a process group or touch the environment of the importing process."""
+    world = init_distributed("cpu")
+    mine = RANK_SLICES[world.rank]
+    out = {}
+    for name, fn, kwargs in [
+        ("grpo", compute_grpo_advantages, {}),
+        ("drgrpo", compute_grpo_advantages, {"norm_by_std": False}),
+        ("batch_std", compute_batch_std_advantages, {}),
+    ]:
+        adv, _ = fn(SCORES[mine], GROUPS[mine], 3, all_reduce_sum=all_reduce_sum, **kwargs)
+        out[name] = adv
+    torch.save(out, f"{sys.argv[1]}.rank{world.rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
