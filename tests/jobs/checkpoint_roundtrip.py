@@ -146,3 +146,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Tear the process group down before the interpreter exits: gloo's threads otherwise race the exit
+    # ("terminate called without an active exception", exit -6, seen as a flaky test).
+    from spmd_grpo.distributed import barrier, destroy
+
+    barrier()
+    destroy()

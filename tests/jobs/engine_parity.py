@@ -164,7 +164,14 @@ def main() -> None:
     out = Path(args.out_json)
     out.with_name(f"{out.stem}.rank{world.rank}{out.suffix}").write_text(json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if k != "group_outputs"}), file=sys.stderr)
+    engine.shutdown()  # vLLM's teardown destroys the default group: do it now, not at interpreter exit
 
 
 if __name__ == "__main__":
     main()
+    # Tear the process group down before the interpreter exits: gloo's threads otherwise race the exit
+    # ("terminate called without an active exception", exit -6, seen as a flaky test).
+    from spmd_grpo.distributed import barrier, destroy
+
+    barrier()
+    destroy()
