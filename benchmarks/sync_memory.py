@@ -6,7 +6,8 @@
 Without --model-dir a random Qwen2.5-VL of ~136M parameters is built from config (no download) into
 .cache/bench_model_100m, or reused from there. Each rank holds the FSDP2 policy (fp32 masters) and its own
 in-process vLLM engine (tensor_parallel_size 1). Every push perturbs the masters (a new policy version), then
-streams them with `iter_sharded_weights` (cast to the rollout dtype before the all-gather) into the engine.
+streams them with `iter_weight_buckets` (what `iter_sharded_weights` flattens; cast to the rollout dtype
+before the all-gather) into the engine. The measurement tools are in memtools.py.
 
 Per push and rank:
   peak_extra_os     OS level: `5` -> /proc/self/clear_refs resets VmHWM to VmRSS right before the push
@@ -18,7 +19,7 @@ Per push and rank:
                     the value right before the push. Freed-but-resident pages do not count here.
   tensors_peak      tensor accounting: max over yields of (current gathered bucket + yielded tensors still
                     alive). Misses vLLM's own transients (rebuilt fused weight, new oneDNN pack).
-  largest_bucket    `on_bucket` of `iter_sharded_weights`: the largest gathered (receive) buffer.
+  largest_bucket    the largest gathered (receive) buffer, as `iter_weight_buckets` reports each bucket.
   live_yielded_peak diagnostic: the most bytes of yielded tensors still alive at a yield (i.e. held by
                     the consumer, vLLM's layerwise reload buffers), tracked with storage weak references.
   rss_left          VmRSS after the push (and its heap trim on CPU) minus before.
@@ -30,19 +31,26 @@ first and after the last push (token counts). Rank 0 prints one table and writes
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # memtools.py sits beside this script
+from memtools import (  # noqa: E402
+    HeapSampler,
+    LiveTensors,
+    MiB,
+    proc_mem,
+    release_free_memory,
+    reset_peak_rss,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO / ".cache" / "bench_model_100m"
@@ -62,141 +70,42 @@ PROMPTS = [
     "Which color is the image? Answer with a digit.",
     "Find the area of the triangle. Round to the nearest tenth.",
 ]
-MiB = 1 << 20
-
-_LIBC = ctypes.CDLL("libc.so.6")
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (f, ctypes.c_size_t)
-        for f in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-_LIBC.mallinfo2.restype = _Mallinfo2  # glibc >= 2.33
-
-
-def heap_in_use() -> int:
-    """Bytes glibc has handed out and not yet freed: heap chunks (uordblks) + mmapped chunks (hblkhd)."""
-    mi = _LIBC.mallinfo2()
-    return mi.uordblks + mi.hblkhd
-
-
-# ------------------------------------------------------------------------------------------ helpers
-def proc_mem() -> dict[str, int]:
-    """VmRSS / VmHWM of this process in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":", 1)[0]
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(line.split()[1]) * 1024
-    return out
-
-
-def reset_peak_rss() -> None:
-    """Reset VmHWM to the current VmRSS (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def release_free_memory() -> None:
-    """Drop garbage and give free heap pages back to the OS, so VmRSS is the live memory."""
-    gc.collect()
-    _LIBC.malloc_trim(0)
-
-
-class HeapSampler:
-    """Peak of `heap_in_use()` over a window: a daemon thread samples every `interval_s`; `sample()` adds points."""
-
-    def __init__(self, interval_s: float = 1e-3) -> None:
-        self.interval_s = interval_s
-        self.base = self.peak = heap_in_use()
-        self.num_samples = 0
-        self.where = "gathering the first bucket"  # what runs now, set by LiveYielded
-        self.peak_at = self.where
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def sample(self) -> None:
-        v = heap_in_use()
-        self.num_samples += 1
-        if v > self.peak:
-            self.peak, self.peak_at = v, self.where
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> HeapSampler:
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(self.interval_s)  # let the sampler in while the main thread holds the GIL
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        sys.setswitchinterval(self._switch)
-        self.sample()
-
-    @property
-    def peak_extra(self) -> int:
-        return self.peak - self.base
-
-
-class LiveYielded:
-    """Bytes of yielded tensors (by storage) that are still referenced somewhere, sampled at each yield."""
+class PushObserver:
+    """Observes one push: each gathered bucket's bytes, the yielded tensors still alive, and bucket + alive."""
 
     def __init__(self, heap: HeapSampler | None = None) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        self._ref = StorageWeakRef
-        self.alive: dict[int, tuple[object, int]] = {}  # storage ptr -> (weak ref, bytes)
-        self.peak = 0
-        self.peak_at = ""
+        self.yielded = LiveTensors()  # peak / peak_at: the live_yielded diagnostic
         self.buckets: list[int] = []  # every gathered bucket's bytes; the last one is being yielded from
         self.bucket = 0
         self.tensors_peak = 0  # max of bucket + alive yielded tensors
         self.heap = heap
 
     def on_bucket(self, nbytes: int) -> None:
-        """`iter_sharded_weights(on_bucket=...)`: a bucket was just gathered."""
+        """A bucket was just gathered."""
         self.buckets.append(nbytes)
         self.bucket = nbytes
         if self.heap is not None:
             self.heap.sample()
 
-    def wrap(self, it: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in it:
-            self.alive = {k: v for k, v in self.alive.items() if not v[0].expired()}
-            storage = t.untyped_storage()
-            self.alive.setdefault(storage.data_ptr(), (self._ref(storage), storage.nbytes()))
-            del storage
-            live = sum(b for _, b in self.alive.values())
-            if live > self.peak:
-                self.peak, self.peak_at = live, name
-            self.tensors_peak = max(self.tensors_peak, self.bucket + live)
-            if self.heap is not None:
-                self.heap.sample()
-                self.heap.where = f"vLLM loading {name}"
-            yield name, t
-            if self.heap is not None:
-                self.heap.where = f"stream after {name} (gather/take)"
-            del t
+    def stream(
+        self, buckets: Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of `iter_weight_buckets(...)`, in order (what `iter_sharded_weights` yields), observed
+        bucket by bucket and tensor by tensor."""
+        for nbytes, tensors in buckets:
+            self.on_bucket(nbytes)
+            for name, t in tensors:
+                live = self.yielded.track(name, t)
+                self.tensors_peak = max(self.tensors_peak, self.bucket + live)
+                if self.heap is not None:
+                    self.heap.sample()
+                    self.heap.where = f"vLLM loading {name}"
+                yield name, t
+                if self.heap is not None:
+                    self.heap.where = f"stream after {name} (gather/take)"
+                del t
 
 
 def ensure_model(model_dir: Path, rank: int) -> None:
@@ -252,7 +161,7 @@ def main() -> None:
     import spmd_grpo.engine as engine_mod
     from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
     from spmd_grpo.distributed import init_distributed
-    from spmd_grpo.engine import RolloutEngine, iter_sharded_weights
+    from spmd_grpo.engine import RolloutEngine, iter_weight_buckets
     from spmd_grpo.model import DTYPES, build_policy
 
     world = init_distributed("cpu")
@@ -321,16 +230,12 @@ def main() -> None:
         rss_before = proc_mem()["VmRSS"]
         reset_peak_rss()
         trim_s.clear()
-        with HeapSampler() as heap:
-            live = LiveYielded(heap)
+        with HeapSampler(where="gathering the first bucket") as heap:
+            live = PushObserver(heap)
 
             t0 = time.perf_counter()
             engine.load_weights(
-                live.wrap(
-                    iter_sharded_weights(
-                        policy, dtype, bucket_bytes, tie_word_embeddings=tie, on_bucket=live.on_bucket
-                    )
-                ),
+                live.stream(iter_weight_buckets(policy, dtype, bucket_bytes, tie_word_embeddings=tie)),
                 version=version,
             )
             push_s = time.perf_counter() - t0
@@ -351,8 +256,8 @@ def main() -> None:
                 "trim_s": sum(trim_s),
                 "num_buckets": len(live.buckets),
                 "largest_bucket": max(live.buckets, default=0),
-                "live_yielded_peak": live.peak,
-                "live_yielded_peak_at": live.peak_at,
+                "live_yielded_peak": live.yielded.peak,
+                "live_yielded_peak_at": live.yielded.peak_at,
                 "pushed_bytes": engine.stats.last_sync_bytes,
             }
         )

@@ -1,9 +1,10 @@
-"""Data: prompt datasets (geometry3k schema) -> tokenized `Example`s, and per-rank prompt sampling.
+"""Data: prompt datasets (geometry3k schema) -> tokenized `Example`s.
 
 Sources (`data.train_files` / `data.val_files`):
   * `builtin:color`  a synthetic, learnable task: a 56x56 solid colour, answer one digit (red/green/blue/yellow
                      -> 0/1/2/3). Tiny prompts (4 image tokens) for CPU tests and smoke runs.
   * `builtin:geo3k`  synthetic rows in the geometry3k schema (drawn diagram, numeric answer), no file needed.
+                     Both are made by `spmd_grpo.tools.synthetic_data`, which also writes them to parquet.
   * a parquet file, or a directory of parquet files (read in sorted order), in the geometry3k schema
     (hiyouga/geometry3k): `problem` (string, with one `<image>` marker per image), `answer` (string),
     `images` (list<struct<bytes: binary, path: string>>). Column names come from prompt_key/answer_key/image_key;
@@ -22,34 +23,28 @@ summary log line per file; more than `max_bad_fraction` of a file is an error. P
 tokens). `Example.index` is the row's number in its source; for a directory the files are numbered as if
 concatenated in sorted order (log lines name the row number inside each file).
 
-`PromptSampler` gives each rank its contiguous share of every global batch of `rollout_batch_size` prompts
-(all samples of a prompt stay on its rank, so GRPO groups are rank-local). Each epoch is a permutation of the
-dataset; the incomplete tail of an epoch is dropped (drop_last) so every step has a full global batch.
+Which examples each rank rolls out at each step is `spmd_grpo.sampler.PromptSampler`'s business.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import logging
-import random
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from spmd_grpo.config import DataConfig
+from spmd_grpo.tools.synthetic_data import color_task_examples, synthetic_geo3k_rows
 
 logger = logging.getLogger(__name__)
 
 IMAGE_MARKER = "<image>"
 IMAGE_FACTOR = 28  # Qwen2.5-VL: patch 14 x spatial merge 2; one image token per 28x28 pixels
-COLOR_PROBLEM = "<image>Which color is this? Answer with one digit."
-COLORS = {"0": (255, 0, 0), "1": (0, 255, 0), "2": (0, 0, 255), "3": (255, 255, 0)}  # red green blue yellow
 _BYTESIO_REPR = re.compile(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\[\]:%+-]+)?$")
 
@@ -68,100 +63,6 @@ class Example:
     num_prompt_tokens: int
     """Prompt length after image-token expansion."""
     data_source: str
-
-
-# ------------------------------------------------------------------------------------------ synthetic data
-def _png(image: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def color_task_examples(n: int, seed: int) -> list[dict]:
-    """`n` geometry3k-schema rows of the builtin colour task; colours get a small deterministic jitter."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        answer = rng.choice(sorted(COLORS))
-        rgb = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[answer])
-        image = Image.new("RGB", (56, 56), rgb)
-        rows.append(
-            {"problem": COLOR_PROBLEM, "answer": answer, "images": [{"bytes": _png(image), "path": None}]}
-        )
-    return rows
-
-
-def _diagram(points: list[tuple[float, float]], labels: list[tuple[tuple[float, float], str]]) -> bytes:
-    image = Image.new("RGB", (224, 168), "white")
-    draw = ImageDraw.Draw(image)
-    draw.polygon(points, outline="black", width=2)
-    for xy, text in labels:
-        draw.text(xy, text, fill="black")
-    return _png(image)
-
-
-def synthetic_geo3k_rows(n: int, seed: int) -> list[dict]:
-    """`n` geometry3k-schema rows: a drawn diagram, a "Find x." question, a numeric answer string."""
-    rng = random.Random(seed)
-    triples = [(3, 4, 5), (5, 12, 13), (6, 8, 10), (8, 15, 17), (9, 12, 15), (7, 24, 25)]
-    rows = []
-    for _ in range(n):
-        kind = rng.randrange(3)
-        if kind == 0:  # right triangle, hypotenuse
-            a, b, c = rng.choice(triples)
-            problem = f"<image>Find x. The right triangle has legs {a} and {b}; x is the hypotenuse."
-            answer = str(c)
-            image = _diagram(
-                [(30, 140), (190, 140), (30, 30)],
-                [((100, 145), str(b)), ((10, 80), str(a)), ((115, 75), "x")],
-            )
-        elif kind == 1:  # triangle angle sum
-            a, b = rng.randint(20, 80), rng.randint(20, 80)
-            problem = f"<image>Find x. Two angles of the triangle measure {a} and {b} degrees."
-            answer = str(180 - a - b)
-            image = _diagram(
-                [(20, 140), (200, 140), (90, 25)],
-                [((30, 120), f"{a}°"), ((170, 120), f"{b}°"), ((85, 40), "x")],
-            )
-        else:  # rectangle perimeter
-            w, h = rng.randint(2, 20), rng.randint(2, 20)
-            problem = f"<image>Find x, the perimeter of the rectangle with sides {w} and {h}."
-            answer = str(2 * (w + h))
-            image = _diagram(
-                [(30, 30), (190, 30), (190, 130), (30, 130)], [((105, 135), str(w)), ((195, 75), str(h))]
-            )
-        rows.append({"problem": problem, "answer": answer, "images": [{"bytes": image, "path": None}]})
-    return rows
-
-
-def write_parquet(rows: list[dict], path: str | Path) -> Path:
-    """Write rows in the geometry3k schema; an image may be a PIL image, PNG/JPEG bytes, or {bytes, path}."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    def image_struct(image: Any) -> dict:
-        if isinstance(image, Image.Image):
-            return {"bytes": _png(image), "path": None}
-        if isinstance(image, bytes | bytearray):
-            return {"bytes": bytes(image), "path": None}
-        if isinstance(image, dict):
-            return {"bytes": image.get("bytes"), "path": image.get("path")}
-        raise TypeError(f"cannot write image of type {type(image).__name__}")
-
-    image_type = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
-    schema = pa.schema([("problem", pa.string()), ("answer", pa.string()), ("images", image_type)])
-    table = pa.table(
-        {
-            "problem": [row.get("problem") for row in rows],
-            "answer": [row.get("answer") for row in rows],
-            "images": [[image_struct(im) for im in row.get("images") or []] for row in rows],
-        },
-        schema=schema,
-    )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
-    return path
 
 
 # ------------------------------------------------------------------------------------------ reading sources
@@ -335,6 +236,34 @@ def _load_template(cfg: DataConfig):
     return jinja2.Template(path.read_text())
 
 
+@dataclass(frozen=True)
+class _Prompting:
+    """What turns a row into an `Example`, the same for every row of one `load_dataset` call."""
+
+    cfg: DataConfig
+    processor: Any
+    tokenizer: Any
+    template: Any  # jinja2.Template of data.format_prompt, or None
+    image_pad_id: int
+    factor: int  # pixels per image-token side of the processor's resize
+
+    @classmethod
+    def for_load(cls, cfg: DataConfig, processor) -> _Prompting:
+        tokenizer = getattr(processor, "tokenizer", processor)
+        image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        proc_min, proc_max, factor = _image_processor_bounds(processor)
+        if (proc_min and cfg.min_pixels < proc_min) or (proc_max and cfg.max_pixels > proc_max):
+            logger.warning(
+                "data.min_pixels/max_pixels [%d, %d] exceed the processor's [%s, %s]: the processor will "
+                "resize images again and num_prompt_tokens will not match its expansion",
+                cfg.min_pixels,
+                cfg.max_pixels,
+                proc_min,
+                proc_max,
+            )
+        return cls(cfg, processor, tokenizer, _load_template(cfg), image_pad_id, factor)
+
+
 def load_dataset(cfg: DataConfig, processor, split: str = "train") -> list[Example]:
     """Read `cfg.train_files` (split "train") or `cfg.val_files` (split "val") into tokenized Examples."""
     if split not in ("train", "val"):
@@ -342,41 +271,42 @@ def load_dataset(cfg: DataConfig, processor, split: str = "train") -> list[Examp
     source = cfg.train_files if split == "train" else cfg.val_files
     if not source:
         raise ValueError(f"no data source for split {split!r} (data.{split}_files is not set)")
-    tokenizer = getattr(processor, "tokenizer", processor)
-    image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    proc_min, proc_max, factor = _image_processor_bounds(processor)
-    if (proc_min and cfg.min_pixels < proc_min) or (proc_max and cfg.max_pixels > proc_max):
-        logger.warning(
-            "data.min_pixels/max_pixels [%d, %d] exceed the processor's [%s, %s]: the processor will resize images "
-            "again and num_prompt_tokens will not match its expansion",
-            cfg.min_pixels,
-            cfg.max_pixels,
-            proc_min,
-            proc_max,
-        )
-    template = _load_template(cfg)
+    prompting = _Prompting.for_load(cfg, processor)
+    examples = [e for raw in _read_sources(source, cfg, split) for e in _source_examples(raw, prompting)]
+    kept = _drop_too_long(examples, source, cfg)
+    if not kept:
+        raise ValueError(f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length})")
+    logger.info("loaded %d %s examples from %s", len(kept), split, source)
+    return kept
 
+
+def _source_examples(raw: _RawSource, prompting: _Prompting) -> list[Example]:
+    """The Examples of one source's rows; its bad rows are skipped with one summary log line, or are an error
+    when they are more than data.max_bad_fraction of its rows."""
     examples: list[Example] = []
-    too_long: list[int] = []
-    for raw in _read_sources(source, cfg, split):
-        bad: list[tuple[int, str]] = []
-        for row_number, row in enumerate(raw.rows):
-            try:
-                examples.append(
-                    _example(row, raw, row_number, cfg, processor, tokenizer, template, image_pad_id, factor)
-                )
-            except _BadRow as reason:
-                bad.append((row_number, str(reason)))
-        if bad:
-            reasons = "; ".join(f"row {i} {why}" for i, why in bad)
-            logger.warning("skipped %d of %d rows in %s: %s", len(bad), len(raw.rows), raw.name, reasons)
-            if len(bad) > cfg.max_bad_fraction * len(raw.rows):
-                first = "; ".join(f"row {i} {why}" for i, why in bad[:5])
-                raise ValueError(
-                    f"{raw.name}: {len(bad)} of {len(raw.rows)} rows are bad, more than data.max_bad_fraction="
-                    f"{cfg.max_bad_fraction}; first reasons: {first}"
-                )
-    kept = []
+    bad: list[tuple[int, str]] = []
+    for row_number, row in enumerate(raw.rows):
+        try:
+            examples.append(_example(row, raw, row_number, prompting))
+        except _BadRow as reason:
+            bad.append((row_number, str(reason)))
+    if bad:
+        cfg = prompting.cfg
+        reasons = "; ".join(f"row {i} {why}" for i, why in bad)
+        logger.warning("skipped %d of %d rows in %s: %s", len(bad), len(raw.rows), raw.name, reasons)
+        if len(bad) > cfg.max_bad_fraction * len(raw.rows):
+            first = "; ".join(f"row {i} {why}" for i, why in bad[:5])
+            raise ValueError(
+                f"{raw.name}: {len(bad)} of {len(raw.rows)} rows are bad, more than data.max_bad_fraction="
+                f"{cfg.max_bad_fraction}; first reasons: {first}"
+            )
+    return examples
+
+
+def _drop_too_long(examples: list[Example], source: str, cfg: DataConfig) -> list[Example]:
+    """The examples within data.max_prompt_length after image expansion, in order; one log line names the
+    others."""
+    kept, too_long = [], []
     for example in examples:
         if example.num_prompt_tokens > cfg.max_prompt_length:
             too_long.append(example.index)
@@ -393,15 +323,10 @@ def load_dataset(cfg: DataConfig, processor, split: str = "train") -> list[Examp
             ", ".join(map(str, too_long[:5])),
             ", ..." if len(too_long) > 5 else "",
         )
-    if not kept:
-        raise ValueError(f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length})")
-    logger.info("loaded %d %s examples from %s", len(kept), split, source)
     return kept
 
 
-def _example(
-    row: dict, raw: _RawSource, row_number: int, cfg, processor, tokenizer, template, image_pad_id, factor
-) -> Example:
+def _example(row: dict, raw: _RawSource, row_number: int, prompting: _Prompting) -> Example:
     problem, answer, images = row["problem"], row["answer"], row["images"]
     if not isinstance(problem, str) or not problem.strip():
         raise _BadRow("empty problem" if isinstance(problem, str) else "missing problem")
@@ -414,15 +339,19 @@ def _example(
         images = []
     elif isinstance(images, Image.Image | bytes | dict):
         images = [images]
+    template, cfg = prompting.template, prompting.cfg
     text = template.render(content=problem) if template is not None else problem
     num_markers = text.count(IMAGE_MARKER)
     if num_markers != len(images):
         raise _BadRow(f"{num_markers} {IMAGE_MARKER} markers but {len(images)} images")
     decoded = [_resize(_decode_image(image, raw.base_dir), cfg) for image in images]
-    prompt = processor.apply_chat_template(_messages(text, cfg), add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if ids.count(image_pad_id) != len(decoded):
+    prompt = prompting.processor.apply_chat_template(
+        _messages(text, cfg), add_generation_prompt=True, tokenize=False
+    )
+    ids = prompting.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if ids.count(prompting.image_pad_id) != len(decoded):
         raise _BadRow("text contains vision special tokens")
+    factor = prompting.factor
     expansion = sum((im.height // factor) * (im.width // factor) - 1 for im in decoded)
     return Example(
         index=raw.index_offset + row_number,
@@ -433,104 +362,3 @@ def _example(
         num_prompt_tokens=len(ids) + expansion,
         data_source=str(row["data_source"]),
     )
-
-
-# ------------------------------------------------------------------------------------------ sampling
-class PromptSampler:
-    """Per-rank sharding of a global batch of prompts, epoch shuffling, exact resumable state.
-
-    Epoch e is `torch.randperm(num_examples)` from a generator seeded with `seed + e` (identity without
-    shuffle); step k of an epoch is the slice [k * global_batch_size, (k + 1) * global_batch_size). The tail
-    (num_examples % global_batch_size prompts) is dropped each epoch, so every step has a full batch. Rank r
-    gets global uids [r * per_rank, (r + 1) * per_rank) of each batch. Every rank holds the same state.
-    """
-
-    def __init__(
-        self, num_examples: int, global_batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool
-    ):
-        if global_batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
-            raise ValueError(
-                f"bad sampler sizes: global_batch_size={global_batch_size}, rank={rank}/{world_size}"
-            )
-        if global_batch_size % world_size:
-            raise ValueError(
-                f"global batch size {global_batch_size} is not divisible by world size {world_size}"
-            )
-        if global_batch_size > num_examples:
-            raise ValueError(
-                f"global batch size (data.rollout_batch_size) {global_batch_size} is larger than the dataset "
-                f"({num_examples} examples)"
-            )
-        self.num_examples, self.global_batch_size = num_examples, global_batch_size
-        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
-        self.per_rank = global_batch_size // world_size
-        self._epoch = 0
-        self._position = 0  # batches already drawn from the current epoch
-        self._order: tuple[int, list[int]] | None = None  # (epoch, permutation) cache
-
-    @property
-    def epoch(self) -> int:
-        """Epoch of the most recently drawn batch (0 before the first)."""
-        return self._epoch
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.num_examples // self.global_batch_size
-
-    def _permutation(self, epoch: int) -> list[int]:
-        if self._order is None or self._order[0] != epoch:
-            if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + epoch)
-                order = torch.randperm(self.num_examples, generator=generator).tolist()
-            else:
-                order = list(range(self.num_examples))
-            self._order = (epoch, order)
-        return self._order[1]
-
-    def next_batch(self) -> list[tuple[int, int]]:
-        """This rank's (global_uid_in_step, example_position) pairs for the next step."""
-        if self._position >= self.steps_per_epoch:  # drop the tail, start the next epoch
-            self._epoch, self._position = self._epoch + 1, 0
-        start = self._position * self.global_batch_size
-        batch = self._permutation(self._epoch)[start : start + self.global_batch_size]
-        self._position += 1
-        uids = range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
-        return [(uid, batch[uid]) for uid in uids]
-
-    def state_dict(self) -> dict:
-        return {
-            "epoch": self._epoch,
-            "position": self._position,
-            "num_examples": self.num_examples,
-            "global_batch_size": self.global_batch_size,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-        }
-
-    def load_state_dict(self, d: dict) -> None:
-        for key in ("num_examples", "global_batch_size", "seed", "shuffle"):
-            if d[key] != getattr(self, key):
-                raise ValueError(
-                    f"sampler state was saved with {key}={d[key]} but this run has {key}={getattr(self, key)}; "
-                    "resuming would change the prompt order"
-                )
-        self._epoch, self._position = int(d["epoch"]), int(d["position"])
-
-
-# ------------------------------------------------------------------------------------------ CLI
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m spmd_grpo.data", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    make = commands.add_parser("make-geo3k", help="write synthetic geometry3k-schema rows to a parquet file")
-    make.add_argument("out", type=Path)
-    make.add_argument("--rows", type=int, default=64)
-    make.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.rows <= 0:
-        parser.error("--rows must be positive")
-    path = write_parquet(synthetic_geo3k_rows(args.rows, args.seed), args.out)
-    print(f"wrote {args.rows} rows to {path}")
-
-
-if __name__ == "__main__":
-    main()

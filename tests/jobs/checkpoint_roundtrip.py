@@ -23,11 +23,11 @@ from PIL import Image
 
 from spmd_grpo.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
-from spmd_grpo.data import PromptSampler
 from spmd_grpo.distributed import all_gather_objects, init_distributed, seed_everything
 from spmd_grpo.engine import hf_name
 from spmd_grpo.logprobs import collate
 from spmd_grpo.model import build_optimizer, build_policy
+from spmd_grpo.sampler import PromptSampler
 
 GLOBAL_BATCH = 2
 TOTAL_STEPS = 10
