@@ -38,7 +38,6 @@ import os
 import random
 import re
 import shutil
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -174,7 +173,6 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(policy, optim.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # .metadata written last
     torch.save(_rng_state(world), tmp / "rng" / f"rank{world.rank}.pt")
-    _fault_injection(world.rank, step)
     if world.is_main:
         torch.save(optim.scheduler.state_dict(), tmp / SCHEDULER)
     barrier()  # every rank's files are on disk
@@ -196,16 +194,6 @@ def save_checkpoint(
         log.info("saved checkpoint %s", final)
     barrier()
     return final
-
-
-def _fault_injection(rank: int, step: int) -> None:
-    """Test-only: `SPMD_GRPO_TEST_KILL_IN_SAVE=rank=R,step=N` SIGKILLs rank R in the middle of saving step N
-    (its shards written, the checkpoint not yet complete), as a node failure would. Unset in real runs."""
-    spec = os.environ.get("SPMD_GRPO_TEST_KILL_IN_SAVE")
-    if spec:
-        target = dict(part.split("=") for part in spec.split(","))
-        if int(target["rank"]) == rank and int(target["step"]) == step:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _prune(root: Path, keep: Path, save_limit: int) -> None:

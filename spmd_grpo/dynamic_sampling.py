@@ -16,11 +16,53 @@ done by the same global order without a driver.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .advantage import group_has_spread
+from .config import FilterGroupsConfig
 from .distributed import World, all_gather_objects, all_reduce_sum, exchange_objects
+from .metrics import global_stats
 from .rollout import Sample
+
+
+def collect_groups(
+    generate_batch: Callable[[int], list[Sample]],
+    cfg: FilterGroupsConfig,
+    rollout_batch_size: int,
+    world: World,
+) -> tuple[list[Sample], dict[str, float]]:
+    """Call `generate_batch(gen_batch)` (one scored generation batch of `rollout_batch_size` prompts) until
+    `cfg.train_batch_size` groups with spread are kept; returns the selected, rebalanced samples and metrics.
+
+    Metrics: `train/gen_score/*` (the score of everything generated: the kept batch has spread by
+    construction), `train/num_gen_batches`, `train/kept_group_frac`.
+    """
+    target = cfg.train_batch_size if cfg.train_batch_size > 0 else rollout_batch_size
+    samples: list[Sample] = []
+    generated_scores: list[float] = []
+    num_gen_batches = 0
+    while True:
+        batch = generate_batch(num_gen_batches)
+        generated_scores += [s.scores["overall"] for s in batch]
+        num_gen_batches += 1
+        samples += kept_groups(batch, cfg.metric, rollout_batch_size)
+        num_kept = count_groups(samples)
+        if num_kept >= target:  # every rank sees the same global count: same branch
+            break
+        if 0 < cfg.max_num_gen_batches <= num_gen_batches:
+            raise RuntimeError(
+                f"DAPO dynamic sampling: only {num_kept} of {target} groups had non-zero spread of "
+                f"'{cfg.metric}' after {num_gen_batches} generation batches "
+                f"(algorithm.filter_groups.max_num_gen_batches={cfg.max_num_gen_batches}); raise the limit, "
+                "set it <= 0 for no limit, or check the reward"
+            )
+    samples = select_and_rebalance(samples, target, world)
+    metrics = global_stats("train/gen_score", torch.tensor(generated_scores))
+    metrics["train/num_gen_batches"] = float(num_gen_batches)
+    metrics["train/kept_group_frac"] = num_kept / max(1, num_gen_batches * rollout_batch_size)
+    return samples, metrics
 
 
 def kept_groups(samples: list[Sample], metric: str, num_groups: int) -> list[Sample]:

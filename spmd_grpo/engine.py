@@ -5,9 +5,15 @@ exists; consecutive ranks form a tensor-parallel group (`worker.rollout.tensor_p
 same engine seed, so the ranks of a group sample identically (per-request seeds make it independent of
 batching too).
 
-Call order of one step on CUDA/NPU (shared/DESIGN-NOTES.md): empty cache -> wake(weights) -> push weights ->
-empty cache -> wake(kv_cache) -> generate -> sleep(level). Waking everything at once can OOM (old weights +
-new weights + KV cache). On CPU vLLM has no sleep mode: it is skipped with one log line.
+The accelerator is time-shared: `rollout_mode(policy, version)` is the one way to use it for generation
+(training steps and validation alike). On entry it moves what must leave the device (AdamW state with
+`fsdp.offload_optimizer`), switches the CUDA allocator's expandable segments off (vLLM's sleep-mode allocator
+owns memory now), then wakes vLLM in the order empty cache -> wake(weights) -> push the policy's weights if
+the engine does not hold this version -> empty cache -> wake(kv_cache): waking everything at once could hold
+old weights + new weights + KV cache together. On exit, also on an exception, it puts vLLM to sleep and
+restores the allocator setting and the optimizer state. Sleep level 2 DISCARDS the weights, so after it the
+engine holds no version and the next `rollout_mode` pushes every weight again (level 1 keeps them in host
+memory). On CPU vLLM has no sleep mode: it is skipped with one log line and the weights stay.
 
 Weight sync (`iter_sharded_weights`): parameters are streamed in bounded buckets (grouped by layer, up to
 `weight_sync_bucket_mb`), each FSDP2 local shard cast to the rollout dtype BEFORE it travels (half the
@@ -18,7 +24,9 @@ largest fused parameter), never the model; on CPU the heap is trimmed after a pu
 linear layer and glibc would keep the freed pages; measurements in benchmarks/README.md).
 `lm_head.weight` is yielded for tied models (vLLM otherwise keeps the old head). After a push the prefix,
 multimodal and encoder caches are reset (stale image embeddings otherwise; vLLM also failed with "Encoder
-cache miss" without the reset). A push is skipped when the policy version has not changed.
+cache miss" without the reset). A push is skipped when the engine already holds the policy's version, and
+parameters that do not require grad (a frozen vision tower) are sent only when the engine holds no weights
+of the policy at all: they never change.
 
 Vision special tokens (`<|image_pad|>` etc.) can never be sampled: a logits processor sets them to -inf in
 vLLM, and `logprobs.py` applies the same mask, so vLLM's `processed_logprobs` and the trainer's logprobs
@@ -34,26 +42,19 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from .config import RolloutConfig
-from .distributed import World, empty_cache
+from .distributed import World, empty_cache, memory_line, set_expandable_segments
+from .logprobs import unsamplable_token_ids
 
 log = logging.getLogger(__name__)
-
-VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-
-
-def unsamplable_token_ids(hf_config) -> list[int]:
-    """Token ids that must never be sampled (the vision placeholders), read from the model config."""
-    return sorted(
-        {int(getattr(hf_config, k)) for k in VISION_TOKEN_KEYS if getattr(hf_config, k, None) is not None}
-    )
-
 
 def _make_suppress_processor():
     from vllm.v1.sample.logits_processor import LogitsProcessor
@@ -78,9 +79,12 @@ def _make_suppress_processor():
     return SuppressVisionTokens
 
 
+NO_WEIGHTS = -1  # `EngineStats.synced_version` when the engine holds none of the policy's weights
+
+
 @dataclass
 class EngineStats:
-    synced_version: int = -1
+    synced_version: int = NO_WEIGHTS
     num_syncs: int = 0
     last_sync_s: float = 0.0
     last_sync_bytes: int = 0
@@ -133,34 +137,72 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             logits_processors=[_make_suppress_processor()],
         )
-        self.stats = EngineStats()
+        self.stats = EngineStats(synced_version=0)  # it loaded the checkpoint the policy starts from
         self.asleep = False
 
     # ----------------------------------------------------------------------------------- sleep / wake
+    @contextmanager
+    def rollout_mode(
+        self, policy: nn.Module, version: int, *, optimizer=None, timer=None, log_memory: bool = False
+    ) -> Iterator[None]:
+        """The accelerator belongs to vLLM inside this block, holding `policy` at `version` (see the module
+        docstring for the order). `optimizer`: its state leaves the device meanwhile (None: it stays).
+        `timer` times the weight push as `update_weights`."""
+        offload = optimizer is not None and self.world.device_type != "cpu"
+        if offload:
+            move_optimizer_state(optimizer, "cpu")
+        set_expandable_segments(self.world.device_type, False)
+        try:
+            self._wake(["weights"])
+            with timer("update_weights") if timer is not None else nullcontext():
+                self.sync_weights(policy, version)
+            self._wake(["kv_cache"])
+            self.asleep = False
+            if log_memory:
+                log.info(memory_line(self.world.device_type, "wake + weight push"))
+            yield
+        finally:
+            self.sleep()
+            set_expandable_segments(self.world.device_type, True)
+            if offload:
+                move_optimizer_state(optimizer, self.world.device)
+            if log_memory:
+                log.info(memory_line(self.world.device_type, "rollout + sleep"))
+
     def sleep(self) -> None:
         """Release weights (level 2) or offload them (level 1) and the KV cache until the next rollout."""
         if self.sleep_enabled and not self.asleep:
             self.llm.sleep(level=self.cfg.sleep_level)
             empty_cache(self.world.device_type)
             self.asleep = True
+            if self.cfg.sleep_level == 2:  # the weights are gone: the next wake needs a full push
+                self.stats.synced_version = NO_WEIGHTS
 
     def _wake(self, tags: list[str]) -> None:
         if self.sleep_enabled and self.asleep:
             empty_cache(self.world.device_type)
             self.llm.wake_up(tags=tags)
 
-    def prepare_for_rollout(self, push_weights: Callable[[], None]) -> None:
-        """wake(weights) -> push -> empty cache -> wake(kv_cache): never old + new weights + KV at once."""
-        self._wake(["weights"])
-        push_weights()
-        self._wake(["kv_cache"])
-        self.asleep = False
-
     # ------------------------------------------------------------------------------------ weight sync
-    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream `(hf_name, full_tensor)` into the engine, then drop every cache derived from old weights."""
+    def sync_weights(self, policy: nn.Module, version: int) -> None:
+        """Push `policy` (FSDP2-sharded; collective) unless the engine holds `version` already."""
         if version == self.stats.synced_version:
             return
+        # A parameter that does not require grad never changes: send it only to an engine without weights.
+        frozen = set()
+        if self.stats.synced_version != NO_WEIGHTS:
+            frozen = {hf_name(n) for n, p in policy.named_parameters() if not p.requires_grad}
+        weights = iter_sharded_weights(
+            policy,
+            self.dtype,
+            self.cfg.weight_sync_bucket_mb << 20,
+            tie_word_embeddings=self.tie_word_embeddings,
+            skip=frozen.__contains__,
+        )
+        self.load_weights(weights, version)
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stream `(hf_name, full_tensor)` into the engine, then drop every cache derived from old weights."""
         start = time.perf_counter()
         counted = _CountingIterator(weights)
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
@@ -245,37 +287,14 @@ def _layer_key(name: str) -> str:
     return name
 
 
-def iter_sharded_weights(
-    model: nn.Module,
-    dtype: torch.dtype,
-    bucket_bytes: int,
-    *,
-    tie_word_embeddings: bool,
-    skip: Callable[[str], bool] = lambda name: False,
-    on_bucket: Callable[[int], None] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, full tensor in dtype)` for every parameter, gathering one bucket at a time.
-
-    Every rank must call this with the same model and arguments (the all-gathers are collective). Buckets
-    are whole layers, filled up to `bucket_bytes` of the gathered (rollout-dtype) size; a layer bigger than
-    a bucket forms its own bucket. `skip(name)` drops parameters (e.g. a frozen vision tower after the first
-    push); it must give the same answer on every rank. `on_bucket(bytes)` observes each gathered bucket.
-    Live memory: one gathered bucket (`_GatheredBucket`, no send buffer or backend temporary) plus the
-    tensors the consumer still holds; a replicated parameter is materialised alone, outside the bucket.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-
-    params = [(hf_name(n), p) for n, p in model.named_parameters() if not skip(hf_name(n))]
-    embed_name = next((n for n, _ in params if n.endswith("embed_tokens.weight")), None)
-
-    # Group by layer, then pack consecutive layers into buckets.
+def _buckets(params: list[tuple[str, torch.Tensor]], itemsize: int, bucket_bytes: int) -> list[list]:
+    """Group parameters by layer, then pack consecutive layers into buckets of at most `bucket_bytes`."""
     layers: list[list[tuple[str, torch.Tensor]]] = []
     for name, p in params:
         if layers and _layer_key(layers[-1][0][0]) == _layer_key(name):
             layers[-1].append((name, p))
         else:
             layers.append([(name, p)])
-    itemsize = torch.empty((), dtype=dtype).element_size()
     buckets: list[list[tuple[str, torch.Tensor]]] = []
     size = 0
     for layer in layers:
@@ -286,22 +305,65 @@ def iter_sharded_weights(
         else:
             buckets.append(list(layer))
             size = layer_bytes
+    return buckets
 
-    for bucket in buckets:
+
+def iter_weight_buckets(
+    model: nn.Module,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    tie_word_embeddings: bool,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
+    """Yield `(gathered_bytes, tensors)` per bucket; `tensors` yields `(hf_name, full tensor in dtype)`.
+
+    The bucket is all-gathered when it is yielded; consume `tensors` before asking for the next bucket.
+    Every rank must call this with the same model and arguments (the all-gathers are collective). Buckets
+    are whole layers, filled up to `bucket_bytes` of the gathered (rollout-dtype) size; a layer bigger than
+    a bucket forms its own bucket. `skip(name)` drops parameters (e.g. a frozen vision tower after the first
+    push); it must give the same answer on every rank.
+    Live memory: one gathered bucket (`_GatheredBucket`, no send buffer or backend temporary) plus the
+    tensors the consumer still holds; a replicated parameter is materialised alone, outside the bucket.
+    """
+    params = [(hf_name(n), p) for n, p in model.named_parameters() if not skip(hf_name(n))]
+    embed_name = next((n for n, _ in params if n.endswith("embed_tokens.weight")), None)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for bucket in _buckets(params, itemsize, bucket_bytes):
         sharded = [(n, p) for n, p in bucket if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)]
         gathered = _GatheredBucket(sharded, dtype) if sharded else None
-        if on_bucket is not None:
-            on_bucket(gathered.num_bytes if gathered else 0)
-        for n, p in bucket:
-            if gathered is not None and n in gathered.layout:
-                t = gathered.take(n)
-            else:  # replicated, or a plain tensor in an unsharded model
-                t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(dtype)
-            yield n, t
-            if tie_word_embeddings and n == embed_name:
-                yield "lm_head.weight", t
-            del t
+        lm_head_from = embed_name if tie_word_embeddings else None
+        yield (gathered.num_bytes if gathered else 0), _bucket_tensors(bucket, gathered, dtype, lm_head_from)
         del gathered
+
+
+def _bucket_tensors(bucket, gathered, dtype: torch.dtype, lm_head_from: str | None):
+    for n, p in bucket:
+        if gathered is not None and n in gathered.layout:
+            t = gathered.take(n)
+        else:  # replicated, or a plain tensor in an unsharded model
+            t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(dtype)
+        yield n, t
+        if n == lm_head_from:
+            yield "lm_head.weight", t
+        del t
+
+
+def iter_sharded_weights(
+    model: nn.Module,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    tie_word_embeddings: bool,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full tensor in dtype)` for every parameter, gathering one bucket at a time
+    (`iter_weight_buckets` flattened)."""
+    buckets = iter_weight_buckets(
+        model, dtype, bucket_bytes, tie_word_embeddings=tie_word_embeddings, skip=skip
+    )
+    for _, tensors in buckets:
+        yield from tensors
 
 
 class _GatheredBucket:
@@ -366,3 +428,15 @@ def _inplace_all_gather(group, device: torch.device) -> bool:
     if ":" in backend:  # a multi-device group, e.g. "cpu:gloo,cuda:nccl": the backend used for `device`
         backend = dict(kv.split(":", 1) for kv in backend.split(",")).get(device.type, "")
     return backend in ("nccl", "hccl")
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move AdamW's state tensors (exp_avg, exp_avg_sq; DTensor shards too) to `device`, in place.
+
+    With `worker.actor.fsdp.offload_optimizer` the state lives on the CPU while vLLM is awake and comes back
+    for the update: the states are 2x the fp32 parameter shard, the largest training-only allocation.
+    """
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)

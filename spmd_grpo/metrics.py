@@ -12,10 +12,21 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .distributed import all_reduce_max, all_reduce_min, all_reduce_sum, synchronize
+from .distributed import (
+    all_reduce_max,
+    all_reduce_min,
+    all_reduce_sum,
+    cpu_memory_used_gb,
+    max_memory_allocated_gb,
+    synchronize,
+)
+
+if TYPE_CHECKING:
+    from .rollout import Sample
 
 
 class Timer:
@@ -119,3 +130,48 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
         f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in sorted(m.items()) if k.startswith("val-core/")
     ]
     return " | ".join(parts)
+
+
+def sample_metrics(samples: list[Sample], max_response_length: int) -> dict[str, float]:
+    """verl's per-step sample statistics, global over ranks: scores, advantages, reward terms, lengths,
+    and the trainer-vs-vLLM logprob gap (`rollout/logprob_diff_*`, needs `old_logprobs`)."""
+    scores = torch.tensor([s.scores["overall"] for s in samples])
+    m = global_stats("critic/score", scores)
+    m.update(global_stats("critic/rewards", scores))
+    m.update(global_stats("critic/advantages", torch.tensor([s.advantage for s in samples])))
+    keys = [k for k in samples[0].scores if k != "overall"] if samples else []
+    terms = {k: torch.tensor([s.scores[k] for s in samples]) for k in keys}  # float32, as the reward returns
+    m.update(global_means({f"reward/{k}": (float(v.sum()), v.numel()) for k, v in terms.items()}))
+    response_lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float64)
+    m.update(global_stats("response_length", response_lengths))
+    m.update(global_stats("prompt_length", prompt_lengths))
+    clipped = sum(len(s.response_ids) >= max_response_length for s in samples)
+    diffs = [
+        abs(a - b) for s in samples for a, b in zip(s.rollout_logprobs, s.old_logprobs.tolist(), strict=True)
+    ]
+    m.update(
+        global_means(
+            {
+                "response_length/clip_ratio": (clipped, len(samples)),
+                "rollout/logprob_diff_mean": (sum(diffs), len(diffs)),
+            }
+        )
+    )
+    m["rollout/logprob_diff_max"] = float(all_reduce_max(torch.tensor([max(diffs, default=0.0)])))
+    local_tokens = float(response_lengths.sum() + prompt_lengths.sum())
+    m["perf/total_num_tokens"] = float(all_reduce_sum(torch.tensor([local_tokens], dtype=torch.float64)))
+    return m
+
+
+def perf_metrics(m: dict[str, float], device_type: str, world_size: int) -> dict[str, float]:
+    """`perf/*` from the step's timings and token count (throughput = tokens / (step time x devices)) and
+    the peak memory over ranks."""
+    return {
+        "perf/time_per_step": m["timing_s/step"],
+        "perf/throughput": m["perf/total_num_tokens"] / (m["timing_s/step"] * world_size),
+        "perf/max_memory_allocated_gb": float(
+            all_reduce_max(torch.tensor([max_memory_allocated_gb(device_type)]))
+        ),
+        "perf/cpu_memory_used_gb": float(all_reduce_max(torch.tensor([cpu_memory_used_gb()]))),
+    }

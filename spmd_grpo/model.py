@@ -22,8 +22,7 @@ from torch import nn
 
 from .config import ActorConfig, FSDPConfig, OptimConfig
 from .distributed import World, cast_before_shard
-from .engine import unsamplable_token_ids
-from .logprobs import PolicyModule
+from .logprobs import PolicyModule, unsamplable_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -138,15 +137,3 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move AdamW's state tensors (exp_avg, exp_avg_sq; DTensor shards too) to `device`, in place.
-
-    With `worker.actor.fsdp.offload_optimizer` the state lives on the CPU while vLLM is awake and comes back
-    for the update: the states are 2x the fp32 parameter shard, the largest training-only allocation.
-    """
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)

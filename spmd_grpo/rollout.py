@@ -3,11 +3,16 @@
 Each rank owns its prompts and all `n` samples of each (GRPO groups are local by default). With tensor
 parallelism the ranks of a TP group (consecutive ranks) must submit identical requests: prompts are
 all-gathered inside the group, the group generates all of them, and each rank keeps exactly the outputs of
-its own prompts.
+its own prompts (`generate`); `generate_for_group` returns the whole group's outputs with their owners.
 
-Every request carries its own seed, derived from (seed, step, prompt uid, sample index): the samples do not
-depend on how requests are batched or which rank generates them, and resuming a run reproduces them.
-`n` samples are submitted as n single-sample requests (vLLM would give n>1 children one shared seed).
+Every request carries its own seed, derived from (seed, step, generation batch, prompt uid, sample index):
+the samples do not depend on how requests are batched or which rank generates them, and resuming a run
+reproduces them. `n` samples are submitted as n single-sample requests (vLLM would give the n children of
+one request the seeds seed, seed+1, ..., tied to the request rather than to the sample's coordinates).
+
+A `Sample` is the one record of everything known about a response as the step goes on: the rollout fills
+the tokens and vLLM's logprobs, the reward its `scores`, the trainer its `old_logprobs`, `ref_logprobs` and
+`advantage`.
 """
 
 from __future__ import annotations
@@ -35,20 +40,23 @@ class Prompt:
 
 @dataclass
 class Sample:
-    """One sampled response, with everything the trainer needs to recompute its logprobs."""
+    """One sampled response, and every per-sample result of the step that concerns it."""
 
     prompt: Prompt
     sample_index: int  # 0..n-1 within the prompt's group
     prompt_ids: list[int]  # expanded by vLLM: one pad token per merged image patch
     response_ids: list[int]
     rollout_logprobs: list[float]  # vLLM's processed logprobs of the sampled tokens
-    response_text: str
-    finish_reason: str  # "stop" | "length"
+    response_text: str = ""
+    finish_reason: str = "length"  # "stop" | "length"
     pixel_values: torch.Tensor | None = None  # trainer-side, same processor settings as vLLM
     image_grid_thw: torch.Tensor | None = None
     gen_batch: int = 0  # which generation batch of the step produced it (DAPO may need several)
     group_index: int = -1  # GRPO group key for the advantage (the prompt uid unless regrouped)
     scores: dict[str, float] = field(default_factory=dict)  # reward outputs (overall, accuracy, ...)
+    advantage: float = 0.0
+    old_logprobs: torch.Tensor | None = None  # [len(response_ids)] float32, trainer's, before the update
+    ref_logprobs: torch.Tensor | None = None  # [len(response_ids)] float32, reference model's
 
     def reward_input(self) -> dict[str, Any]:
         """What a reward function receives for this sample (see reward.py's batch interface)."""
@@ -70,6 +78,7 @@ class SamplingConfig:
     top_k: int
     max_tokens: int
     seed: int
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def request_seed(seed: int, step: int, uid: int, sample_index: int, gen_batch: int = 0) -> int:
@@ -78,71 +87,73 @@ def request_seed(seed: int, step: int, uid: int, sample_index: int, gen_batch: i
     return key % (2**63 - 1)
 
 
-def generate(
-    engine,
-    prompts: list[Prompt],
-    sampling: SamplingConfig,
-    step: int,
-    *,
-    tp_group: dist.ProcessGroup | None,
-    stop_token_ids: list[int],
-    keep_all: bool = False,
-    gen_batch: int = 0,
-) -> list[Sample]:
-    """Sample `n` responses for each of this rank's prompts; returns them in (prompt, sample) order.
-
-    `keep_all` returns the whole TP group's samples instead (tests check that the group agrees).
-    """
+def _sampling_params(sampling: SamplingConfig, seed: int):
     from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        seed=seed,
+        logprobs=0,
+        stop_token_ids=list(sampling.stop_token_ids),
+        skip_special_tokens=True,
+        detokenize=True,
+    )
+
+
+def _sample(prompt: Prompt, sample_index: int, output, gen_batch: int) -> Sample:
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    return Sample(
+        prompt=prompt,
+        sample_index=sample_index,
+        prompt_ids=list(output.prompt_token_ids),
+        response_ids=ids,
+        rollout_logprobs=[lp[tok].logprob for lp, tok in zip(completion.logprobs, ids, strict=True)],
+        response_text=completion.text,
+        finish_reason=completion.finish_reason or "length",
+        gen_batch=gen_batch,
+        group_index=prompt.uid,
+    )
+
+
+def generate_for_group(
+    engine, prompts: list[Prompt], sampling: SamplingConfig, *, step: int, gen_batch: int = 0, tp_group=None
+) -> list[tuple[int, Sample]]:
+    """Sample `n` responses for every prompt of this rank's TP group (all of them, on every rank of it).
+
+    Returns `(slot, sample)` in (slot, prompt, sample) order, `slot` being the rank within the TP group that
+    owns the prompt.
+    """
     from vllm.inputs import TokensPrompt
 
     group_prompts = [prompts] if tp_group is None else all_gather_objects(prompts, group=tp_group)
-    my_slot = 0 if tp_group is None else dist.get_rank(tp_group)
-    requests, params, owner = [], [], []
+    requests, params, owners = [], [], []
     for slot, rank_prompts in enumerate(group_prompts):
         for p in rank_prompts:
+            data = {"prompt_token_ids": p.prompt_token_ids}
+            if p.images:
+                data["multi_modal_data"] = {"image": list(p.images)}
             for k in range(sampling.n):
-                data = {"prompt_token_ids": p.prompt_token_ids}
-                if p.images:
-                    data["multi_modal_data"] = {"image": list(p.images)}
                 requests.append(TokensPrompt(**data))
                 params.append(
-                    SamplingParams(
-                        n=1,
-                        temperature=sampling.temperature,
-                        top_p=sampling.top_p,
-                        top_k=sampling.top_k,
-                        max_tokens=sampling.max_tokens,
-                        seed=request_seed(sampling.seed, step, p.uid, k, gen_batch),
-                        logprobs=0,
-                        stop_token_ids=stop_token_ids,
-                        skip_special_tokens=True,
-                        detokenize=True,
-                    )
+                    _sampling_params(sampling, request_seed(sampling.seed, step, p.uid, k, gen_batch))
                 )
-                owner.append((slot, p, k))
+                owners.append((slot, p, k))
     outputs = engine.generate(requests, params)
-    samples = []
-    for (slot, p, k), out in zip(owner, outputs, strict=True):
-        if slot != my_slot and not keep_all:
-            continue
-        completion = out.outputs[0]
-        ids = list(completion.token_ids)
-        logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, ids, strict=True)]
-        samples.append(
-            Sample(
-                prompt=p,
-                sample_index=k,
-                prompt_ids=list(out.prompt_token_ids),
-                response_ids=ids,
-                rollout_logprobs=logprobs,
-                response_text=completion.text,
-                finish_reason=completion.finish_reason or "length",
-                gen_batch=gen_batch,
-                group_index=p.uid,
-            )
-        )
-    return samples
+    return [(slot, _sample(p, k, out, gen_batch)) for (slot, p, k), out in zip(owners, outputs, strict=True)]
+
+
+def generate(
+    engine, prompts: list[Prompt], sampling: SamplingConfig, *, step: int, gen_batch: int = 0, tp_group=None
+) -> list[Sample]:
+    """Sample `n` responses for each of this rank's prompts; returns them in (prompt, sample) order."""
+    my_slot = 0 if tp_group is None else dist.get_rank(tp_group)
+    group = generate_for_group(engine, prompts, sampling, step=step, gen_batch=gen_batch, tp_group=tp_group)
+    return [s for slot, s in group if slot == my_slot]
 
 
 def attach_pixel_values(samples: list[Sample], image_processor) -> None:

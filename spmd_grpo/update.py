@@ -6,25 +6,79 @@ Global normalisation: before each mini-batch the ranks all-reduce its number of 
 sequences; every micro-batch's loss is its contribution to that GLOBAL aggregate (loss.aggregate), so the
 gradient does not depend on how the mini-batch is split into micro-batches or ranks. FSDP2 averages
 gradients over ranks; the loss is multiplied by the world size to turn that average into the sum.
+
+Every setting the update reads travels as one frozen `UpdateSpec`, resolved from the config once; every
+per-sample input (old and reference logprobs, advantage) is a field of the `Sample` record.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .config import ActorConfig, AlgorithmConfig, DataConfig
+from .config import Config
 from .distributed import World, all_reduce_max, all_reduce_min, all_reduce_sum
 from .logprobs import SequenceBatch, collate
 from .loss import aggregate, kl_penalty, policy_loss
 from .metrics import global_means
+from .model import clip_grad_norm
 from .rollout import Sample
 
 log = logging.getLogger(__name__)
+
+MetricSums = dict[str, tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """What the trainer-side passes need from the config (one place, derived once)."""
+
+    temperature: float
+    pad_token_id: int
+    max_response_length: int
+    mini_batch_size: int
+    """Samples per mini-batch on each rank (worker.actor.global_batch_size / world size)."""
+    micro_batch_size: int
+    experience_micro_batch_size: int
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_dual: float | None = 3.0
+    """None for GSPO (dual clip is defined for the token ratio only)."""
+    loss_mode: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = False
+    kl_penalty: str = "low_var_kl"
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, world_size: int, pad_token_id: int) -> UpdateSpec:
+        a, alg = cfg.worker.actor, cfg.algorithm
+        return cls(
+            temperature=cfg.worker.rollout.temperature,
+            pad_token_id=pad_token_id,
+            max_response_length=cfg.data.max_response_length,
+            mini_batch_size=a.global_batch_size // world_size,
+            micro_batch_size=a.micro_batch_size_per_device_for_update,
+            experience_micro_batch_size=a.micro_batch_size_per_device_for_experience,
+            ppo_epochs=a.ppo_epochs,
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_dual=a.clip_ratio_dual if a.loss_mode == "vanilla" else None,
+            loss_mode=a.loss_mode,
+            loss_agg_mode=a.loss_agg_mode,
+            entropy_coef=a.entropy_coef,
+            use_kl_loss=alg.use_kl_loss,
+            kl_penalty=alg.kl_penalty,
+            kl_coef=alg.kl_coef,
+            max_grad_norm=a.max_grad_norm,
+        )
 
 
 def collate_samples(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu") -> SequenceBatch:
@@ -46,39 +100,73 @@ def _pad(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Te
 
 
 @torch.no_grad()
-def compute_logprobs(
-    model: nn.Module, samples: list[Sample], actor: ActorConfig, temperature: float, pad_id: int
-) -> list[torch.Tensor]:
+def compute_logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> list[torch.Tensor]:
     """Per-sample response logprobs (1-D CPU float32 tensors), micro-batched for experience."""
     device = next(model.parameters()).device
     out: list[torch.Tensor] = []
-    size = actor.micro_batch_size_per_device_for_experience
+    size = spec.experience_micro_batch_size
     for start in range(0, len(samples), size):
         chunk = samples[start : start + size]
-        lp, _ = model(collate_samples(chunk, pad_id, device), temperature=temperature)
+        lp, _ = model(collate_samples(chunk, spec.pad_token_id, device), temperature=spec.temperature)
         out += [lp[i, : len(s.response_ids)].float().cpu() for i, s in enumerate(chunk)]
     return out
 
 
+def _add(sums: MetricSums, name: str, total: float, count: float) -> None:
+    s, c = sums.get(name, (0.0, 0.0))
+    sums[name] = (s + total, c + count)
+
+
+def _micro_batch_loss(
+    policy: nn.Module, samples: list[Sample], spec: UpdateSpec, agg: dict, sums: MetricSums
+) -> torch.Tensor:
+    """This micro-batch's share of the global mini-batch loss; adds its metric sums to `sums`."""
+    device = next(policy.parameters()).device
+    batch = collate_samples(samples, spec.pad_token_id, device)
+    mask = batch.response_mask
+    width = mask.shape[1]
+    logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
+    old = _pad([s.old_logprobs for s in samples], width, device)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    adv = advantages.to(device)[:, None].expand_as(mask) * mask
+    pg_loss, pg_metrics = policy_loss(
+        logprobs,
+        old,
+        adv,
+        mask,
+        clip_ratio_low=spec.clip_ratio_low,
+        clip_ratio_high=spec.clip_ratio_high,
+        clip_ratio_dual=spec.clip_ratio_dual,
+        loss_mode=spec.loss_mode,
+        loss_agg_mode=spec.loss_agg_mode,
+        **agg,
+    )
+    loss = pg_loss
+    entropy_agg = aggregate(entropy, mask, spec.loss_agg_mode, **agg)
+    if spec.entropy_coef != 0:
+        loss = loss - spec.entropy_coef * entropy_agg
+    if spec.use_kl_loss:
+        ref = _pad([s.ref_logprobs for s in samples], width, device)
+        kl_agg = aggregate(kl_penalty(logprobs, ref, spec.kl_penalty), mask, spec.loss_agg_mode, **agg)
+        loss = loss + spec.kl_coef * kl_agg
+        _add(sums, "actor/kl_loss", kl_agg.item(), 0.0)
+    # pg_loss etc. are shares of the global mini-batch value: summed over micro-batches and ranks they
+    # give it; the caller adds a count of 1 per mini-batch (on rank 0) to average over mini-batches.
+    _add(sums, "actor/pg_loss", pg_loss.item(), 0.0)
+    _add(sums, "actor/entropy", entropy_agg.item(), 0.0)
+    for name, (total, count) in pg_metrics.items():
+        _add(sums, f"actor/{name}", float(total), float(count))
+    return loss
+
+
 def mini_batch_backward(
-    policy: nn.Module,
-    samples: list[Sample],
-    old_logprobs: list[torch.Tensor],
-    ref_logprobs: list[torch.Tensor] | None,
-    advantages: torch.Tensor,
-    actor: ActorConfig,
-    alg: AlgorithmConfig,
-    max_response_length: int,
-    temperature: float,
-    pad_id: int,
-    world: World,
-) -> dict[str, tuple[float, float]]:
+    policy: nn.Module, samples: list[Sample], spec: UpdateSpec, world: World
+) -> MetricSums:
     """Accumulate the gradient of one mini-batch (this rank's `samples`) in micro-batches.
 
     Returns metric sums {name: (local sum, local count)}. The loss contributions are shares of the global
     mini-batch value, so the gradient is the same for any micro-batch size and any world size.
     """
-    device = next(policy.parameters()).device
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
     counts = all_reduce_sum(
         torch.tensor([lengths.sum().item(), float((lengths > 0).sum())], dtype=torch.float64)
@@ -86,105 +174,46 @@ def mini_batch_backward(
     agg = dict(
         num_global_tokens=max(counts[0].item(), 1.0),
         num_global_seqs=max(counts[1].item(), 1.0),
-        max_response_length=max_response_length,
+        max_response_length=spec.max_response_length,
     )
-    sums: dict[str, tuple[float, float]] = {}
-
-    def add(name: str, total: float, count: float) -> None:
-        s, c = sums.get(name, (0.0, 0.0))
-        sums[name] = (s + total, c + count)
-
-    size = actor.micro_batch_size_per_device_for_update
-    for start in range(0, len(samples), size):
-        idx = list(range(start, min(start + size, len(samples))))
-        batch = collate_samples([samples[i] for i in idx], pad_id, device)
-        mask = batch.response_mask
-        width = mask.shape[1]
-        logprobs, entropy = policy(batch, temperature=temperature, with_entropy=True)
-        old = _pad([old_logprobs[i] for i in idx], width, device)
-        adv = advantages[idx].to(device)[:, None].expand_as(mask) * mask
-        pg_loss, pg_metrics = policy_loss(
-            logprobs,
-            old,
-            adv,
-            mask,
-            clip_ratio_low=actor.clip_ratio_low,
-            clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_dual=actor.clip_ratio_dual if actor.loss_mode == "vanilla" else None,
-            loss_mode=actor.loss_mode,
-            loss_agg_mode=actor.loss_agg_mode,
-            **agg,
-        )
-        loss = pg_loss
-        entropy_agg = aggregate(entropy, mask, actor.loss_agg_mode, **agg)
-        if actor.entropy_coef != 0:
-            loss = loss - actor.entropy_coef * entropy_agg
-        if ref_logprobs is not None:
-            ref = _pad([ref_logprobs[i] for i in idx], width, device)
-            kl_agg = aggregate(kl_penalty(logprobs, ref, alg.kl_penalty), mask, actor.loss_agg_mode, **agg)
-            loss = loss + alg.kl_coef * kl_agg
-            add("actor/kl_loss", kl_agg.item(), 0.0)
+    sums: MetricSums = {}
+    for start in range(0, len(samples), spec.micro_batch_size):
+        loss = _micro_batch_loss(policy, samples[start : start + spec.micro_batch_size], spec, agg, sums)
         (loss * world.world_size).backward()
-        # pg_loss etc. are shares of the global mini-batch value: summed over micro-batches and ranks they
-        # give it; the caller adds a count of 1 per mini-batch (on rank 0) to average over mini-batches.
-        add("actor/pg_loss", pg_loss.item(), 0.0)
-        add("actor/entropy", entropy_agg.item(), 0.0)
-        for name, (total, count) in pg_metrics.items():
-            add(f"actor/{name}", float(total), float(count))
     return sums
 
 
+def _optimizer_step(policy: nn.Module, optim, spec: UpdateSpec) -> tuple[float, float]:
+    """Clip by the global norm and step (skipped on a non-finite norm); returns (grad norm, lr)."""
+    grad_norm = clip_grad_norm(policy, spec.max_grad_norm)
+    lr = optim.scheduler.get_last_lr()[0]
+    if math.isfinite(grad_norm):
+        optim.optimizer.step()
+    else:
+        log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+    optim.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
 def update_policy(
-    policy: nn.Module,
-    optim,
-    samples: list[Sample],
-    old_logprobs: list[torch.Tensor],
-    ref_logprobs: list[torch.Tensor] | None,
-    advantages: torch.Tensor,
-    actor: ActorConfig,
-    alg: AlgorithmConfig,
-    data: DataConfig,
-    temperature: float,
-    pad_id: int,
-    world: World,
-    clip_grad_norm: Callable[[nn.Module, float], float],
+    policy: nn.Module, optim, samples: list[Sample], spec: UpdateSpec, world: World
 ) -> dict[str, float]:
     """ppo_epochs x mini-batches (global_batch_size samples over all ranks) x micro-batches; returns metrics."""
-    mini_size = actor.global_batch_size // world.world_size
-    sums: dict[str, tuple[float, float]] = {}
+    sums: MetricSums = {}
     grad_norms, lrs = [], []
     num_micro_batches = 0
-    for _ in range(actor.ppo_epochs):
-        for start in range(0, len(samples), mini_size):
-            idx = list(range(start, min(start + mini_size, len(samples))))
-            num_micro_batches += math.ceil(len(idx) / actor.micro_batch_size_per_device_for_update)
+    for _ in range(spec.ppo_epochs):
+        for start in range(0, len(samples), spec.mini_batch_size):
+            mini = samples[start : start + spec.mini_batch_size]
+            num_micro_batches += math.ceil(len(mini) / spec.micro_batch_size)
             optim.optimizer.zero_grad(set_to_none=True)
-            mini_sums = mini_batch_backward(
-                policy,
-                [samples[i] for i in idx],
-                [old_logprobs[i] for i in idx],
-                [ref_logprobs[i] for i in idx] if ref_logprobs is not None else None,
-                advantages[idx],
-                actor,
-                alg,
-                data.max_response_length,
-                temperature,
-                pad_id,
-                world,
-            )
-            for name, (total, count) in mini_sums.items():
+            for name, (total, count) in mini_batch_backward(policy, mini, spec, world).items():
                 if name in ("actor/pg_loss", "actor/entropy", "actor/kl_loss") and world.rank == 0:
                     count += 1.0
-                s, c = sums.get(name, (0.0, 0.0))
-                sums[name] = (s + total, c + count)
-            grad_norm = clip_grad_norm(policy, actor.max_grad_norm)
+                _add(sums, name, total, count)
+            grad_norm, lr = _optimizer_step(policy, optim, spec)
             grad_norms.append(grad_norm)
-            lrs.append(optim.scheduler.get_last_lr()[0])
-            if math.isfinite(grad_norm):
-                optim.optimizer.step()
-            else:
-                log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
-            optim.optimizer.zero_grad(set_to_none=True)
+            lrs.append(lr)
     optim.scheduler.step()
     metrics = global_means(sums)
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -193,6 +222,6 @@ def update_policy(
     count = torch.tensor([float(num_micro_batches)])
     metrics["train/num_micro_batches_min"] = float(all_reduce_min(count))
     metrics["train/num_micro_batches_max"] = float(all_reduce_max(count))
-    if ref_logprobs is not None:
-        metrics["actor/kl_coef"] = alg.kl_coef
+    if spec.use_kl_loss:
+        metrics["actor/kl_coef"] = spec.kl_coef
     return metrics

@@ -38,9 +38,10 @@ def free_port() -> int:
 
 
 def torchrun(
-    args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None
+    args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc_per_node nproc ARGS` (gloo on CPU); fail the test with the output's tail."""
+    """Run `torchrun --nproc_per_node nproc ARGS` (gloo on CPU); with `check`, fail the test with the
+    output's tail when it exits non-zero."""
     cmd = [
         sys.executable,
         "-m",
@@ -53,8 +54,33 @@ def torchrun(
         str(free_port()),
         *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # Jobs are run by path; PYTHONPATH lets them import `tests.jobs.common`.
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
+    full_env.update(env or {})
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     return proc
+
+
+CHECKPOINT_JOB = "tests/jobs/checkpoint_roundtrip.py"
+
+
+@pytest.fixture(scope="session")
+def saved_checkpoints(tmp_path_factory):
+    """`saved_checkpoints(model_dir)` -> directory with `run/` (checkpoints of steps 1 and 2, saved at world 2
+    by tests/jobs/checkpoint_roundtrip.py) and `save.pt` (what the job recorded): one launch per model for
+    the whole session, shared by the checkpoint and export tests."""
+    cache: dict[Path, Path] = {}
+
+    def get(model_dir: Path) -> Path:
+        if model_dir not in cache:
+            work = tmp_path_factory.mktemp("ckpt")
+            torchrun(
+                [CHECKPOINT_JOB, str(model_dir), str(work / "run"), str(work / "save.pt"), "--phase", "save"]
+            )
+            cache[model_dir] = work
+        return cache[model_dir]
+
+    return get

@@ -6,25 +6,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import torchrun
+from tests.conftest import CHECKPOINT_JOB, torchrun
 
 pytestmark = pytest.mark.dist
 
-JOB = "tests/jobs/checkpoint_roundtrip.py"
-
 
 @pytest.fixture(scope="module")
-def saved(tiny_untied, tmp_path_factory):
+def saved(tiny_untied, saved_checkpoints):
     """World 2: two optimizer steps, saved after each (save_limit=1), then the uninterrupted step 3."""
-    work = tmp_path_factory.mktemp("ckpt")
-    torchrun([JOB, str(tiny_untied), str(work / "run"), str(work / "save.pt"), "--phase", "save"])
+    work = saved_checkpoints(tiny_untied)
     return work, torch.load(work / "save.pt", weights_only=False)
 
 
 def resume(saved, tiny_untied, nproc: int) -> dict:
     work, _ = saved
     out = work / f"resume{nproc}.pt"
-    torchrun([JOB, str(tiny_untied), str(work / "run"), str(out), "--phase", "resume"], nproc=nproc)
+    torchrun(
+        [CHECKPOINT_JOB, str(tiny_untied), str(work / "run"), str(out), "--phase", "resume"], nproc=nproc
+    )
     return torch.load(out, weights_only=False)
 
 

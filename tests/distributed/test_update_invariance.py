@@ -2,6 +2,7 @@
 
 Losses are normalised by GLOBAL token/sequence counts, so the gradient of a mini-batch must not depend on
 how it is split. verl's legacy mean of micro-batch means would fail these (short micro-batches weigh more).
+Two torchrun launches (world 1 and world 2) compute every (mode, micro-batch size) case between them.
 """
 
 import pytest
@@ -11,22 +12,19 @@ from tests.conftest import torchrun
 
 pytestmark = pytest.mark.dist
 
+MODES = ["token-mean", "seq-mean-token-mean"]
 
-def _grads(tiny, tmp_path, world, micro, mode):
-    out = tmp_path / f"g_w{world}_m{micro}_{mode}.pt"
-    torchrun(
-        [
-            "tests/jobs/grad_invariance.py",
-            str(tiny),
-            str(out),
-            "--micro",
-            str(micro),
-            "--loss-agg-mode",
-            mode,
-        ],
-        nproc=world,
-    )
-    return torch.load(out)
+
+@pytest.fixture(scope="module")
+def grads(tiny_untied, tmp_path_factory):
+    """{(world, mode, micro): gradient} for world 1 (micro 8 and 1) and world 2 (micro 4 and 1)."""
+    out = {}
+    for world, micros in [(1, "8,1"), (2, "4,1")]:
+        path = tmp_path_factory.mktemp("grads") / f"w{world}.pt"
+        job = ["tests/jobs/grad_invariance.py", str(tiny_untied), str(path), "--micro", micros]
+        torchrun([*job, "--modes", ",".join(MODES)], nproc=world)
+        out.update({(world, *key): g for key, g in torch.load(path).items()})
+    return out
 
 
 def _max_rel(a, b):
@@ -40,12 +38,10 @@ def _max_rel(a, b):
     return worst
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_gradient_same_for_micro_batches_and_world_size(tiny_untied, tmp_path, mode):
-    one_by_eight = _grads(tiny_untied, tmp_path, world=1, micro=8, mode=mode)
-    eight_by_one = _grads(tiny_untied, tmp_path, world=1, micro=1, mode=mode)
-    two_ranks = _grads(tiny_untied, tmp_path, world=2, micro=4, mode=mode)
-    two_ranks_micro1 = _grads(tiny_untied, tmp_path, world=2, micro=1, mode=mode)
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_same_for_micro_batches_and_world_size(grads, mode):
+    one_by_eight, eight_by_one = grads[1, mode, 8], grads[1, mode, 1]
+    two_ranks, two_ranks_micro1 = grads[2, mode, 4], grads[2, mode, 1]
     assert set(one_by_eight) == set(two_ranks) and len(one_by_eight) > 10
     assert any(g.abs().max() > 0 for g in one_by_eight.values())
     assert _max_rel(one_by_eight, eight_by_one) <= 1e-5
@@ -55,5 +51,10 @@ def test_gradient_same_for_micro_batches_and_world_size(tiny_untied, tmp_path, m
     full_norm = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g) for n, g in one_by_eight.items() if not n.startswith("__")])
     )
-    for grads in (one_by_eight, two_ranks):
-        assert abs(grads["__clip_grad_norm__"].item() - full_norm.item()) <= 1e-5 * full_norm.item()
+    for g in (one_by_eight, two_ranks):
+        assert abs(g["__clip_grad_norm__"].item() - full_norm.item()) <= 1e-5 * full_norm.item()
+
+
+def test_modes_give_different_gradients(grads):
+    """The two aggregation modes weigh tokens differently: the cases above compare distinct gradients."""
+    assert _max_rel(grads[1, MODES[0], 8], grads[1, MODES[1], 8]) > 1e-3

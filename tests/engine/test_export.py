@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import spmd_grpo.export as export_mod
 from spmd_grpo.export import export_hf
-from tests.conftest import REPO, torchrun
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.engine
 
@@ -46,22 +46,15 @@ def weight_names(model_dir) -> set[str]:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_export_loads_in_transformers_and_vllm(tied, tiny_tied, tiny_untied, tmp_path, monkeypatch):
+def test_export_loads_in_transformers_and_vllm(
+    tied, tiny_tied, tiny_untied, saved_checkpoints, tmp_path, monkeypatch
+):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model_dir = tiny_tied if tied else tiny_untied
-    torchrun(
-        [
-            "tests/jobs/checkpoint_roundtrip.py",
-            str(model_dir),
-            str(tmp_path / "run"),
-            str(tmp_path / "save.pt"),
-            "--phase",
-            "save",
-        ]
-    )
-    trained = torch.load(tmp_path / "save.pt", weights_only=False)["at_save"]["params"]  # the checkpoint's
-    ckpt = tmp_path / "run" / "checkpoints" / "global_step_2"
+    work = saved_checkpoints(model_dir)  # the checkpoint tests' save, shared (one launch per model)
+    trained = torch.load(work / "save.pt", weights_only=False)["at_save"]["params"]  # the checkpoint's
+    ckpt = work / "run" / "checkpoints" / "global_step_2"
 
     # Streaming: every DCP read holds at most one shard's tensors.
     loads = []

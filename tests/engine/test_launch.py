@@ -25,7 +25,7 @@ import pytest
 
 from tests.conftest import REPO, free_port
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.engine  # the trainer it launches builds vLLM engines
 
 NUM_NODES, NPROC_PER_NODE = 2, 2
 

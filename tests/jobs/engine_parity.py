@@ -26,10 +26,11 @@ from PIL import Image
 
 from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
 from spmd_grpo.distributed import init_distributed, new_tp_groups
-from spmd_grpo.engine import RolloutEngine, iter_sharded_weights
+from spmd_grpo.engine import RolloutEngine
 from spmd_grpo.model import build_policy
-from spmd_grpo.rollout import Prompt, SamplingConfig, attach_pixel_values, generate
+from spmd_grpo.rollout import Prompt, SamplingConfig, attach_pixel_values, generate, generate_for_group
 from spmd_grpo.update import collate_samples
+from tests.jobs.common import chat_text, run_job
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
 
@@ -43,10 +44,7 @@ def make_prompts(processor, rank: int, per_rank: int) -> list[Prompt]:
             Image.new("RGB", (56 + 28 * ((uid + j) % 2), 56), COLORS[(uid + j) % len(COLORS)])
             for j in range(num_images)
         ]
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": f"Which color? {uid}"}]
-        text = processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True
-        )
+        text = chat_text(processor, len(images), f"Which color? {uid}")
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append(Prompt(uid=uid, prompt_token_ids=ids, images=images))
     return prompts
@@ -87,7 +85,10 @@ def main() -> None:
     actor = ActorConfig(model=ModelConfig(model_path=args.model_dir), fsdp=FSDPConfig(param_dtype="float32"))
     policy = build_policy(actor, world)
     tie = bool(policy.config.tie_word_embeddings)
-    rollout_cfg = RolloutConfig(tensor_parallel_size=args.tp, dtype="float32", limit_images=2)
+    # 1 MiB buckets: the tiny model's push spans several buckets.
+    rollout_cfg = RolloutConfig(
+        tensor_parallel_size=args.tp, dtype="float32", limit_images=2, weight_sync_bucket_mb=1
+    )
     engine = RolloutEngine(
         args.model_dir,
         rollout_cfg,
@@ -102,12 +103,12 @@ def main() -> None:
     pad_id = processor.tokenizer.pad_token_id
     eos = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     prompts = make_prompts(processor, world.rank, args.prompts_per_rank)
-    sampling = SamplingConfig(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=12, seed=0)
+    sampling = SamplingConfig(
+        n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=12, seed=0, stop_token_ids=tuple(eos)
+    )
 
-    def rollout(step: int, keep_all: bool = False):
-        samples = generate(
-            engine, prompts, sampling, step, tp_group=tp_group, stop_token_ids=eos, keep_all=keep_all
-        )
+    def rollout(step: int):
+        samples = generate(engine, prompts, sampling, step=step, tp_group=tp_group)
         attach_pixel_values(samples, processor.image_processor)
         return samples
 
@@ -125,12 +126,13 @@ def main() -> None:
         (-(lp * batch.response_mask).sum() / batch.response_mask.sum()).backward()
         old_shards = [p.to_local().detach().clone() for p in policy.parameters()]
         optim.step()
+        # 3. The engine must now sample from (and report logprobs of) the weights it was given: the
+        # production path (rollout_mode pushes the policy when the engine holds another version).
         if push:
-            engine.load_weights(
-                iter_sharded_weights(policy, torch.float32, 1 << 20, tie_word_embeddings=tie), version=step
-            )
-        # 3. The engine must now sample from (and report logprobs of) the weights it was given.
-        after = rollout(step=step)
+            with engine.rollout_mode(policy, step):
+                after = rollout(step=step)
+        else:
+            after = rollout(step=step)
         new_lps = trainer_logprobs(policy, after, pad_id)
         new_shards = [p.to_local().detach().clone() for p in policy.parameters()]
         with torch.no_grad():
@@ -145,7 +147,7 @@ def main() -> None:
     new_diff, old_diff, s2 = update_and_compare(s1, step=1, push=True)
     nosync_new, nosync_old, _ = update_and_compare(s2, step=2, push=False)
 
-    group = rollout(step=3, keep_all=True)
+    group = [s for _, s in generate_for_group(engine, prompts, sampling, step=3, tp_group=tp_group)]
     result = {
         "rank": world.rank,
         "tp": args.tp,
@@ -168,10 +170,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Tear the process group down before the interpreter exits: gloo's threads otherwise race the exit
-    # ("terminate called without an active exception", exit -6, seen as a flaky test).
-    from spmd_grpo.distributed import barrier, destroy
-
-    barrier()
-    destroy()
+    run_job(main)

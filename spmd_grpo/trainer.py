@@ -1,0 +1,379 @@
+"""The GRPO training loop: one `Trainer` per rank, running the same code on every rank (SPMD).
+
+One step of `Trainer.train`, each line one call:
+
+    rollout       engine.rollout_mode(policy, version): offload optimizer -> wake vLLM -> sync the policy's
+                  weights if the engine holds an older version -> generate -> sleep -> restore
+    reward        score every sample (+ DAPO overlong shaping); DAPO dynamic sampling repeats rollout +
+                  reward until enough groups have spread, then rebalances the samples over the ranks
+    advantages    GRPO / Dr.GRPO / batch-std, group statistics from collectives
+    old, ref      trainer-side logprobs of the sampled responses (policy, reference model)
+    update        ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; version += 1
+    validate      when due, inside rollout_mode: the weight sync of the new version happens here, or at the
+                  next step's rollout (it needs the wake sequence, so it is never a separate phase)
+    checkpoint    every save_freq steps, at the end, and when a signal asked to stop
+    log           metrics.jsonl and one console line
+
+Run state that changes as training goes on lives in one `RunState` (step, policy version, stop signal)
+plus the prompt sampler's position; both are what a checkpoint restores.
+
+Semantics (verl's unless noted; formulas in advantage.py / loss.py):
+  * Each rank owns rollout_batch_size / world prompts and all n samples of each; group statistics use
+    collectives anyway, so they stay right wherever a group's samples live.
+  * Old logprobs are recomputed by the trainer (not taken from vLLM) before the update. With one
+    mini-batch and one epoch they equal the current logprobs, so the ratio is exactly 1 at the update and
+    only the clip-free policy gradient acts (as in verl).
+  * Loss aggregation uses GLOBAL token/sequence counts of the mini-batch (all ranks, all micro-batches);
+    verl's legacy mean of micro-batch means is not reproduced. FSDP averages gradients over ranks, so the
+    per-rank loss is multiplied by the world size to recover the global sum.
+  * Rollout logprobs from vLLM are only used for `rollout/logprob_diff_*` (the mismatch users must see).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from . import distributed as D
+from .advantage import compute_batch_std_advantages, compute_grpo_advantages
+from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config, dump_yaml
+from .data import load_dataset
+from .dynamic_sampling import collect_groups
+from .engine import RolloutEngine
+from .metrics import MetricsWriter, Timer, console_line, perf_metrics, sample_metrics
+from .model import build_optimizer, build_policy, build_reference, resolve_dtype
+from .reward import load_reward_function, overlong_penalty, score_samples
+from .rollout import Prompt, Sample, SamplingConfig, attach_pixel_values, generate
+from .sampler import PromptSampler
+from .update import UpdateSpec, compute_logprobs, update_policy
+from .validation import VAL_SEED_OFFSET, validate
+
+log = logging.getLogger("spmd_grpo")
+
+
+@dataclass
+class RunState:
+    """What changes from step to step (with the sampler's position, what a checkpoint restores)."""
+
+    step: int = 0
+    """The last finished step (0 before training)."""
+    version: int = 0
+    """Policy version: optimizer updates applied so far; the engine syncs when it holds another one."""
+    stop_signal: int | None = None
+    """SIGTERM/SIGINT received: finish the step, save, exit with 128 + signal."""
+
+
+class Trainer:
+    """Everything one rank holds for a run: data, policy, optimizer, reference, engine, writer, state."""
+
+    def __init__(self, cfg: Config, world: D.World) -> None:
+        from transformers import AutoProcessor
+
+        self.cfg, self.world, self.state = cfg, world, RunState()
+        d, actor = cfg.data, cfg.worker.actor
+        self.processor = AutoProcessor.from_pretrained(
+            actor.model.tokenizer_path or actor.model.model_path,
+            min_pixels=d.min_pixels,
+            max_pixels=d.max_pixels,
+        )
+        self.dataset = load_dataset(d, self.processor, "train")
+        self.val_examples = load_dataset(d, self.processor, "val") if d.val_files else []
+        if d.val_max_samples > 0:
+            self.val_examples = self.val_examples[: d.val_max_samples]
+        self.sampler = PromptSampler(
+            len(self.dataset),
+            d.rollout_batch_size,
+            world.rank,
+            world.world_size,
+            seed=d.seed,
+            shuffle=d.shuffle,
+        )
+        self.total_steps = cfg.trainer.max_steps or cfg.trainer.total_epochs * self.sampler.steps_per_epoch
+        self.policy = build_policy(actor, world)
+        self.optim = build_optimizer(self.policy, actor.optim, self.total_steps)
+        self.reference = (
+            build_reference(actor, cfg.worker.ref.offload_params, world)
+            if cfg.algorithm.use_kl_loss
+            else None
+        )
+        self.tp_group = D.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
+        self.engine = self._build_engine()
+        self.reward_fn = load_reward_function(cfg.worker.reward.reward_function)
+        self.sampling, self.val_sampling = self._sampling_configs()
+        self.spec = UpdateSpec.from_config(
+            cfg, world_size=world.world_size, pad_token_id=self.processor.tokenizer.pad_token_id
+        )
+        self.writer = MetricsWriter(cfg.run_dir, world.is_main)
+        self.bar = None
+
+    def _build_engine(self) -> RolloutEngine:
+        d, rollout = self.cfg.data, self.cfg.worker.rollout
+        return RolloutEngine(
+            self.cfg.worker.actor.model.model_path,
+            rollout,
+            self.world,
+            max_model_len=d.max_prompt_length + d.max_response_length,
+            dtype=resolve_dtype(rollout.dtype, self.world.device_type),
+            min_pixels=d.min_pixels,
+            max_pixels=d.max_pixels,
+            seed=self.cfg.trainer.seed,
+            tie_word_embeddings=bool(self.policy.config.tie_word_embeddings),
+        )
+
+    def _sampling_configs(self) -> tuple[SamplingConfig, SamplingConfig]:
+        r, max_tokens, seed = (
+            self.cfg.worker.rollout,
+            self.cfg.data.max_response_length,
+            self.cfg.trainer.seed,
+        )
+        tokenizer = self.processor.tokenizer
+        stop = tuple(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+        v = r.val_override
+        return (
+            SamplingConfig(r.n, r.temperature, r.top_p, r.top_k, max_tokens, seed, stop),
+            SamplingConfig(v.n, v.temperature, v.top_p, v.top_k, max_tokens, seed + VAL_SEED_OFFSET, stop),
+        )
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def train(self) -> None:
+        self._start()
+        for step in range(self.state.step + 1, self.total_steps + 1):
+            timer = Timer(self.world.device_type)
+            with timer("step"):
+                samples, m = self.rollout(step, timer)
+                with timer("adv"):
+                    m.update(self.compute_advantages(samples))
+                with timer("old_log_prob"):
+                    for s, lp in zip(samples, compute_logprobs(self.policy, samples, self.spec), strict=True):
+                        s.old_logprobs = lp
+                if self.reference is not None:
+                    with timer("ref"):
+                        for s, lp in zip(
+                            samples, compute_logprobs(self.reference, samples, self.spec), strict=True
+                        ):
+                            s.ref_logprobs = lp
+                with timer("update_actor"):
+                    m.update(update_policy(self.policy, self.optim, samples, self.spec, self.world))
+                self.state.version += 1
+                self._log_memory("update")
+            if self._validation_due(step):
+                m.update(self.validate(step, timer))
+            self.state.step = step
+            stopping = D.any_rank(self.state.stop_signal is not None, self.world.device)
+            save_freq = self.cfg.trainer.save_freq
+            if stopping or (save_freq > 0 and (step % save_freq == 0 or step == self.total_steps)):
+                self.save(step, timer)
+            m.update(sample_metrics(samples, self.cfg.data.max_response_length))
+            self.write_metrics(step, timer, m)
+            if stopping:
+                log.warning(
+                    "stop requested by signal %s: checkpoint of step %d saved, exiting",
+                    self.state.stop_signal,
+                    step,
+                )
+                break
+        self._finish()
+
+    def _start(self) -> None:
+        """Write the resolved config, resume, listen for preemption, validate before training if asked."""
+        if self.world.is_main:
+            dump_yaml(self.cfg, self.cfg.run_dir / "config.yaml")
+            log.info(
+                "run dir %s; %d prompts, %d steps, world %d",
+                self.cfg.run_dir,
+                len(self.dataset),
+                self.total_steps,
+                self.world.world_size,
+            )
+        if (
+            self.cfg.worker.actor.fsdp.offload_optimizer
+            and self.world.device_type == "cpu"
+            and self.world.is_main
+        ):
+            log.warning(
+                "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
+            )
+        self.resume()
+        # SIGTERM/SIGINT (Slurm preemption, Ctrl-C): finish the step, save, exit non-zero. All ranks agree on
+        # the stop at the step boundary (a collective), so they save together.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        if self.state.step == 0 and self._validation_due(0):
+            timer = Timer(self.world.device_type)
+            self.write_metrics(0, timer, self.validate(0, timer))
+        if self.world.is_main:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total_steps, initial=self.state.step, desc="grpo", dynamic_ncols=True)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.state.stop_signal = signum
+
+    def _finish(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        D.barrier()
+        self.engine.shutdown()
+        D.destroy()
+        if self.state.stop_signal is not None:
+            raise SystemExit(128 + self.state.stop_signal)
+
+    # ------------------------------------------------------------------------------------------ phases
+    def rollout(self, step: int, timer: Timer) -> tuple[list[Sample], dict[str, float]]:
+        """This rank's scored samples for the step (with DAPO dynamic sampling: the kept, rebalanced ones)."""
+        fg = self.cfg.algorithm.filter_groups
+        if not fg.enable:
+            return self._generate_and_score(step, 0, timer), {}
+        return collect_groups(
+            lambda gen_batch: self._generate_and_score(step, gen_batch, timer),
+            fg,
+            self.cfg.data.rollout_batch_size,
+            self.world,
+        )
+
+    def _generate_and_score(self, step: int, gen_batch: int, timer: Timer) -> list[Sample]:
+        """One generation batch: this rank's next prompts -> samples with reward scores."""
+        prompts = [
+            Prompt(uid, ex.prompt_token_ids, ex.images, ex.answer, {"data_source": ex.data_source})
+            for uid, pos in self.sampler.next_batch()
+            for ex in [self.dataset[pos]]
+        ]
+        with timer("gen"), self._rollout_mode(timer):
+            samples = generate(
+                self.engine, prompts, self.sampling, step=step, gen_batch=gen_batch, tp_group=self.tp_group
+            )
+        attach_pixel_values(samples, self.processor.image_processor)
+        with timer("reward"):
+            self.score(samples, batch_name=f"step {step} rank {self.world.rank}")
+        return samples
+
+    def _rollout_mode(self, timer: Timer):
+        return self.engine.rollout_mode(
+            self.policy,
+            self.state.version,
+            optimizer=self.optim.optimizer if self.cfg.worker.actor.fsdp.offload_optimizer else None,
+            timer=timer,
+            log_memory=self.cfg.trainer.log_memory,
+        )
+
+    def score(self, samples: list[Sample], *, batch_name: str) -> None:
+        """Set every sample's `scores` (reward keys; `overall` includes DAPO's overlong shaping)."""
+        rewards = score_samples(self.reward_fn, [s.reward_input() for s in samples], batch_name=batch_name)
+        ob = self.cfg.algorithm.overlong_buffer
+        if ob.enable:  # DAPO overlong shaping, added to the score (logged as reward/overlong_penalty)
+            lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+            penalty = overlong_penalty(
+                lengths, self.cfg.data.max_response_length, ob.length, ob.penalty_factor
+            )
+            rewards["overlong_penalty"] = penalty
+            rewards["overall"] = rewards["overall"] + penalty
+        for i, s in enumerate(samples):
+            s.scores = {k: float(v[i]) for k, v in rewards.items()}
+
+    def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
+        """Set every sample's `advantage` from its group's statistics over all ranks; returns adv/ metrics."""
+        alg, fg = self.cfg.algorithm, self.cfg.algorithm.filter_groups
+        num_groups = self.cfg.data.rollout_batch_size
+        if fg.enable and fg.train_batch_size > 0:
+            num_groups = fg.train_batch_size
+        scores = torch.tensor([s.scores["overall"] for s in samples])
+        group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
+        kwargs = dict(eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum)
+        if alg.adv_std_scope == "batch":
+            advantages, metrics = compute_batch_std_advantages(scores, group_index, num_groups, **kwargs)
+        else:
+            norm_by_std = alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo
+            advantages, metrics = compute_grpo_advantages(
+                scores, group_index, num_groups, norm_by_std=norm_by_std, **kwargs
+            )
+        for s, a in zip(samples, advantages.tolist(), strict=True):
+            s.advantage = a
+        return metrics
+
+    def validate(self, step: int, timer: Timer) -> dict[str, float]:
+        with timer("testing"), self._rollout_mode(timer):
+            return validate(
+                self.engine,
+                self.val_examples,
+                self.reward_fn,
+                step=step,
+                sampling=self.val_sampling,
+                world=self.world,
+                tp_group=self.tp_group,
+                run_dir=self.cfg.run_dir,
+                num_logged=self.cfg.trainer.val_generations_to_log,
+            )
+
+    def _validation_due(self, step: int) -> bool:
+        t = self.cfg.trainer
+        if not self.val_examples:
+            return False
+        if step == 0:
+            return t.val_before_train
+        return t.val_freq > 0 and (step % t.val_freq == 0 or step == self.total_steps)
+
+    # ------------------------------------------------------------------------------ checkpoint and logs
+    def save(self, step: int, timer: Timer) -> None:
+        with timer("save_checkpoint"):
+            trainer_state = {
+                "step": step,
+                "version": self.state.version,
+                "sampler": self.sampler.state_dict(),
+            }
+            save_checkpoint(
+                self.cfg.run_dir,
+                step,
+                policy=self.policy,
+                optim=self.optim,
+                trainer_state=trainer_state,
+                world=self.world,
+                save_limit=self.cfg.trainer.save_limit,
+                model_path=self.cfg.worker.actor.model.model_path,
+            )
+
+    def resume(self) -> None:
+        """Policy, optimizer, schedule, data position, policy version and RNG from the checkpoint to resume."""
+        checkpoint = find_checkpoint(self.cfg.run_dir, self.cfg.trainer.resume)
+        if checkpoint is None:
+            return
+        saved = load_checkpoint(checkpoint, policy=self.policy, optim=self.optim, world=self.world)
+        self.sampler.load_state_dict(saved["sampler"])
+        self.state.step, self.state.version = saved["step"], saved["version"]
+        if self.writer.rollback(saved["step"]):
+            log.warning(
+                "metrics of steps after %d moved to metrics.rolledback.jsonl: they are redone", saved["step"]
+            )
+
+    def write_metrics(self, step: int, timer: Timer, m: dict[str, float]) -> None:
+        """Write the step's metrics (global over ranks; collective) and, on rank 0, the console line."""
+        m = {**timer.metrics(), **m}
+        if step > 0:
+            m.update(perf_metrics(m, self.world.device_type, self.world.world_size))
+        self.writer.write(step, m)
+        if self.bar is not None:
+            self.bar.update(1)
+            if step % self.cfg.trainer.log_every == 0 or step == self.total_steps:
+                self.bar.write(console_line(step, self.total_steps, m))
+        elif self.world.is_main and step == 0:
+            log.info(console_line(0, self.total_steps, m))
+
+    def _log_memory(self, phase: str) -> None:
+        if self.cfg.trainer.log_memory:
+            log.info(D.memory_line(self.world.device_type, phase))
+
+
+def run(cfg: Config) -> None:
+    """Train `cfg` on this rank (the process group is created here, after the config was validated)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    logging.basicConfig(
+        level=logging.INFO if world.is_main else logging.WARNING,
+        format=f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    D.seed_everything(cfg.trainer.seed)
+    Trainer(cfg, world).train()

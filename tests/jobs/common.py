@@ -1,0 +1,29 @@
+"""What the torchrun test jobs share: the teardown every job needs, and the chat prompts they build."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from PIL import Image
+
+
+def run_job(main: Callable[[], None]) -> None:
+    """Run a job's `main` under torchrun, then tear the process group down before the interpreter exits:
+    gloo's threads otherwise race the exit ("terminate called without an active exception", exit -6,
+    seen as a flaky test)."""
+    from spmd_grpo.distributed import barrier, destroy
+
+    main()
+    barrier()
+    destroy()
+
+
+def chat_text(processor, num_images: int, text: str) -> str:
+    """The chat-templated user turn: `num_images` images, then `text`, ready for the assistant's answer."""
+    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def encode(processor, images: list[Image.Image], text: str) -> dict:
+    """HF processor output (input_ids with the images expanded, pixel_values, image_grid_thw) of one prompt."""
+    return processor(text=[chat_text(processor, len(images), text)], images=images, return_tensors="pt")
