@@ -1,0 +1,110 @@
+"""`RolloutEngine.rollout_mode`, the one way the accelerator is handed to vLLM, against a FAKE sleep-mode vLLM.
+
+vLLM has no sleep mode on CPU, so the real engine cannot show the wake/sleep sequence here. The fake records
+every call in order: the tests prove the order (offload optimizer -> wake weights -> push -> wake KV ->
+generate -> sleep -> restore), that the restore also happens when generation raises, and that after a
+level-2 sleep (which discards vLLM's weights) the next wake pushes every weight again, frozen ones included.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import spmd_grpo.engine as engine_mod
+from spmd_grpo.config import RolloutConfig
+from spmd_grpo.engine import RolloutEngine
+
+
+class Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.language = nn.Linear(2, 2)
+        self.visual = nn.Linear(2, 2)
+        self.visual.requires_grad_(False)  # a frozen vision tower
+
+
+def fake_engine(events: list, sleep_level: int) -> RolloutEngine:
+    worker = SimpleNamespace(reload_weights=True)
+
+    def collective_rpc(method, kwargs):
+        events.append(("push", sorted(name for name, _ in kwargs["weights_iterator"])))
+
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)),
+            reset_encoder_cache=lambda: None,
+        ),
+        collective_rpc=collective_rpc,
+        reset_prefix_cache=lambda: None,
+        reset_mm_cache=lambda: None,
+        sleep=lambda level: events.append(("sleep", level)),
+        wake_up=lambda tags: events.append(("wake", tuple(tags))),
+    )
+    engine = RolloutEngine.__new__(RolloutEngine)  # skip building a real vLLM engine
+    engine.llm, engine.stats = llm, engine_mod.EngineStats(synced_version=0)
+    engine.cfg = RolloutConfig(sleep_level=sleep_level, weight_sync_bucket_mb=1)
+    engine.world = SimpleNamespace(device_type="cuda", device=torch.device("cpu"))
+    engine.dtype, engine.tie_word_embeddings = torch.float32, False
+    engine.sleep_enabled, engine.asleep = True, False
+    return engine
+
+
+@pytest.fixture
+def events(monkeypatch) -> list:
+    events: list = []
+    monkeypatch.setattr(engine_mod, "empty_cache", lambda device_type: None)
+    monkeypatch.setattr(
+        engine_mod, "set_expandable_segments", lambda t, on: events.append(("expandable", on))
+    )
+    monkeypatch.setattr(
+        engine_mod, "move_optimizer_state", lambda opt, device: events.append(("optim", str(device)))
+    )
+    return events
+
+
+ALL = ["language.bias", "language.weight", "visual.bias", "visual.weight"]
+TRAINABLE = ["language.bias", "language.weight"]
+
+
+def test_order_and_full_push_after_level_2_sleep(events):
+    engine, policy, optimizer = fake_engine(events, sleep_level=2), Policy(), object()
+    engine.sleep()  # asleep after start-up, as the trainer leaves it; level 2 drops the weights
+    events.clear()
+    with engine.rollout_mode(policy, 1, optimizer=optimizer):
+        events.append(("generate",))
+    assert events == [
+        ("optim", "cpu"),
+        ("expandable", False),
+        ("wake", ("weights",)),
+        ("push", ALL),  # the engine held nothing: the frozen tower too
+        ("wake", ("kv_cache",)),
+        ("generate",),
+        ("sleep", 2),
+        ("expandable", True),
+        ("optim", "cpu"),  # back to world.device (the CPU stands in for the accelerator here)
+    ]
+    events.clear()
+    with engine.rollout_mode(policy, 1):  # same version, but level 2 discarded it: push everything again
+        pass
+    assert ("push", ALL) in events
+
+
+def test_level_1_keeps_weights_and_skips_frozen(events):
+    engine, policy = fake_engine(events, sleep_level=1), Policy()
+    with engine.rollout_mode(policy, 1):
+        pass
+    with engine.rollout_mode(policy, 1):  # level 1 kept version 1: no push at all
+        pass
+    pushes = [e for e in events if e[0] == "push"]
+    assert pushes == [("push", TRAINABLE)]  # the engine held version 0: frozen weights never change
+
+
+def test_sleeps_and_restores_when_generation_fails(events):
+    engine, policy, optimizer = fake_engine(events, sleep_level=2), Policy(), object()
+    with pytest.raises(RuntimeError, match="boom"), engine.rollout_mode(policy, 1, optimizer=optimizer):
+        raise RuntimeError("boom")
+    assert events[-3:] == [("sleep", 2), ("expandable", True), ("optim", "cpu")]
