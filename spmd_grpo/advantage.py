@@ -7,7 +7,7 @@ Papers:
   "group-level mean, batch-level std"), implemented like TRL's `scale_rewards="batch"`.
 - DAPO: Yu et al. 2025 (arXiv:2503.14476), dynamic sampling: drop groups whose scores are all equal.
 
-Semantics follow verl's `compute_grpo_outcome_advantage` (see shared/DESIGN-NOTES.md):
+Semantics follow verl's `compute_grpo_outcome_advantage` (`verl/trainer/ppo/core_algos.py`):
 - a group with ONE sample gets mean 0 and std 1 (so A = s / (1 + eps), or A = s for Dr.GRPO);
 - otherwise mean and UNBIASED std (N - 1); A = (s - mean) / (std + eps), eps = 1e-6;
 - all-equal groups get A = 0 with no explicit mask; we only log their fraction (`adv/zero_std_group_frac`).
@@ -36,7 +36,6 @@ Deviations from the papers and from verl:
 
 Shape legend:
     B: samples held by this rank        G: number of groups (prompts) in the GLOBAL batch
-    T: padded response length
 """
 
 from collections.abc import Callable
@@ -170,16 +169,6 @@ def compute_batch_std_advantages(
         "adv/batch_std": float(batch_std),
     }
     return advantages.to(torch.float32), metrics
-
-
-def broadcast_to_tokens(advantages: Tensor, response_mask: Tensor) -> Tensor:
-    """[B] -> [B, T]: every valid response token carries its sample's advantage; padding gets 0."""
-    if advantages.dim() != 1 or response_mask.dim() != 2 or response_mask.shape[0] != advantages.shape[0]:
-        raise ValueError(
-            f"expected advantages [B] and response_mask [B, T], got {tuple(advantages.shape)} and "
-            f"{tuple(response_mask.shape)}"
-        )
-    return advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)
 
 
 def group_has_spread(

@@ -6,8 +6,10 @@ Section names follow EasyR1/verl so their users recognise them: ``data``, ``algo
 Everything a user can get wrong is caught here, before any process group or model exists:
   * unknown keys (with the full dotted name and the closest valid key),
   * wrong types (with the expected type),
-  * cross-field rules (batch sizes vs world size and group size, TP dividing the world, positive lengths),
-    checked by ``validate(cfg, world_size)``.
+  * value rules, checked by ``validate(cfg, world_size)``: first each section's own (positive lengths,
+    ranges, a model path), in the section's ``check(prefix)`` method where ``prefix`` is its dotted key
+    (``worker.rollout.``), then the rules across sections and the world size (batch sizes vs world size and
+    group size, TP dividing the world, DAPO's batch and length settings).
 ``ConfigError`` carries a one-line message; ``spmd_grpo.train`` prints it and exits with code 2.
 
 Deviations from EasyR1's schema: ``algorithm.norm_adv_by_std_in_grpo`` and ``algorithm.adv_std_scope`` are
@@ -32,11 +34,24 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix; the message is one line naming the key."""
 
 
+# ------------------------------------------------------------------------------------------ section rules
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _require_positive(section: Any, prefix: str, *names: str) -> None:
+    """`<prefix><name> must be positive` for the first of the section's fields `names` that is not > 0."""
+    for name in names:
+        value = getattr(section, name)
+        _require(value > 0, f"{prefix}{name} must be positive, got {value}")
+
+
 # --------------------------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class DataConfig:
     train_files: str = "builtin:color"
-    """`hub/repo@split`, a local parquet file or directory, or `builtin:<task>` (synthetic, see data.py)."""
+    """`hub/repo@split`, a local parquet file or directory, or `builtin:<task>` (synthetic, see tools/synthetic_data.py)."""
     val_files: str | None = None
     prompt_key: str = "problem"
     answer_key: str = "answer"
@@ -61,6 +76,19 @@ class DataConfig:
     """Rows failing to decode are skipped; more than this fraction is an error."""
     num_builtin_examples: int = 256
     """Size of a `builtin:` dataset."""
+
+    def check(self, prefix: str) -> None:
+        _require_positive(
+            self, prefix, "max_prompt_length", "max_response_length", "rollout_batch_size", "min_pixels"
+        )
+        _require(
+            self.max_pixels >= self.min_pixels,
+            f"{prefix}max_pixels ({self.max_pixels}) must be >= {prefix}min_pixels ({self.min_pixels})",
+        )
+        _require(
+            0 <= self.max_bad_fraction <= 1,
+            f"{prefix}max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}",
+        )
 
 
 @dataclass(frozen=True)
@@ -109,6 +137,9 @@ class ModelConfig:
     freeze_vision_tower: bool = False
     enable_gradient_checkpointing: bool = False
 
+    def check(self, prefix: str) -> None:
+        _require(self.model_path != "", f"{prefix}model_path must be set (a local directory or HF id)")
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -131,18 +162,25 @@ class FSDPConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
+    """The policy and its update; the reference model (worker.ref) is loaded from the same model_path."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     global_batch_size: int = 16
     """Samples (not prompts) per optimizer step, across all ranks."""
     micro_batch_size_per_device_for_update: int = 4
+    """Samples per forward/backward; gradients accumulate over the rank's share of global_batch_size."""
     micro_batch_size_per_device_for_experience: int = 16
+    """Samples per forward when computing the old and reference logprobs (no gradient)."""
     ppo_epochs: int = 1
+    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    """vanilla: PPO's token-level ratio; gspo: GSPO's sequence-level ratio (no dual clip)."""
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
+    """The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high] (DAPO's clip-higher: high > low)."""
     clip_ratio_dual: float | None = 3.0
-    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    """Dual-clip PPO's c > 1 (null: off); used by loss_mode vanilla only."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -151,9 +189,26 @@ class ActorConfig:
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the vocabulary-sized log-softmax (bounds its memory)."""
 
+    def check(self, prefix: str) -> None:
+        _require_positive(
+            self,
+            prefix,
+            "global_batch_size",
+            "micro_batch_size_per_device_for_update",
+            "micro_batch_size_per_device_for_experience",
+            "ppo_epochs",
+            "logprob_chunk_size",
+        )
+        low, high, dual = self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_dual
+        _require(0 <= low < 1, f"{prefix}clip_ratio_low must be in [0, 1), got {low}")
+        _require(high >= 0, f"{prefix}clip_ratio_high must be >= 0, got {high}")
+        _require(dual is None or dual > 1, f"{prefix}clip_ratio_dual must be > 1 (or null), got {dual}")
+
 
 @dataclass(frozen=True)
 class ValOverrideConfig:
+    """Sampling for validation, instead of worker.rollout's."""
+
     temperature: float = 0.6
     top_p: float = 0.95
     top_k: int = -1
@@ -163,6 +218,7 @@ class ValOverrideConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     n: int = 8
+    """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -183,6 +239,20 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 512
     val_override: ValOverrideConfig = field(default_factory=ValOverrideConfig)
 
+    def check(self, prefix: str) -> None:
+        _require_positive(
+            self,
+            prefix,
+            "n",
+            "tensor_parallel_size",
+            "max_num_batched_tokens",
+            "weight_sync_bucket_mb",
+            "limit_images",
+        )
+        _require(self.temperature > 0, f"{prefix}temperature must be > 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, f"{prefix}top_p must be in (0, 1], got {self.top_p}")
+        _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}gpu_memory_utilization must be in (0, 1]")
+
 
 @dataclass(frozen=True)
 class RefConfig:
@@ -198,6 +268,8 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """EasyR1's worker roles: the trained policy, the vLLM rollout, the reference model, the reward."""
+
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -209,6 +281,7 @@ class TrainerConfig:
     project_name: str = "spmd_grpo"
     experiment_name: str = "run"
     output_dir: str = "runs"
+    """The run's files go to output_dir/experiment_name."""
     total_epochs: int = 1
     max_steps: int | None = None
     """Stop after this many steps (None: total_epochs over the training set)."""
@@ -226,17 +299,23 @@ class TrainerConfig:
     log_memory: bool = True
     """Log one memory line per phase (rollout, update) on rank 0."""
 
+    def check(self, prefix: str) -> None:
+        _require_positive(self, prefix, "total_epochs")
+
 
 @dataclass(frozen=True)
 class Config:
+    """The whole configuration, one field per top-level YAML section."""
+
+    @property
+    def run_dir(self) -> Path:
+        """trainer.output_dir / trainer.experiment_name: the run's own directory."""
+        return Path(self.trainer.output_dir) / self.trainer.experiment_name
+
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.trainer.output_dir) / self.trainer.experiment_name
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -389,91 +468,70 @@ def env_world_size() -> int:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Cross-field rules that need the world size; raise ConfigError on the first violation."""
+    """Check `cfg` for `world_size` ranks; raise ConfigError on the first violation.
+
+    Order: the world size itself, each section's own rules (its `check`, sections in declaration order),
+    then the rules relating several sections or the world size.
+    """
+    _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
+    _check_sections(cfg, "")
+    _check_batch_split(cfg, world_size)
+    _check_dapo(cfg)
+
+
+def _check_sections(section: Any, prefix: str) -> None:
+    """`section.check(prefix)` where the section has one, then the same for its subsections, depth first."""
+    if hasattr(section, "check"):
+        section.check(prefix)
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_sections(value, f"{prefix}{f.name}.")
+
+
+def _check_batch_split(cfg: Config, world_size: int) -> None:
+    """Prompts, samples, mini- and micro-batches split evenly over the ranks and the TP groups."""
     d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
-
-    def require(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
-    require(world_size >= 1, f"world size must be >= 1, got {world_size}")
-    for key, val in [
-        ("data.max_prompt_length", d.max_prompt_length),
-        ("data.max_response_length", d.max_response_length),
-        ("data.rollout_batch_size", d.rollout_batch_size),
-        ("data.min_pixels", d.min_pixels),
-        ("worker.rollout.n", r.n),
-        ("worker.rollout.tensor_parallel_size", r.tensor_parallel_size),
-        ("worker.rollout.max_num_batched_tokens", r.max_num_batched_tokens),
-        ("worker.rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb),
-        ("worker.rollout.limit_images", r.limit_images),
-        ("worker.actor.global_batch_size", a.global_batch_size),
-        ("worker.actor.micro_batch_size_per_device_for_update", a.micro_batch_size_per_device_for_update),
-        (
-            "worker.actor.micro_batch_size_per_device_for_experience",
-            a.micro_batch_size_per_device_for_experience,
-        ),
-        ("worker.actor.ppo_epochs", a.ppo_epochs),
-        ("worker.actor.logprob_chunk_size", a.logprob_chunk_size),
-        ("trainer.total_epochs", cfg.trainer.total_epochs),
-    ]:
-        require(val > 0, f"{key} must be positive, got {val}")
-    require(
-        d.max_pixels >= d.min_pixels,
-        f"data.max_pixels ({d.max_pixels}) must be >= data.min_pixels ({d.min_pixels})",
-    )
-    require(
+    _require(
         d.rollout_batch_size % world_size == 0,
         f"data.rollout_batch_size ({d.rollout_batch_size}) must be divisible by the world size ({world_size})",
     )
     tp = r.tensor_parallel_size
-    require(
+    _require(
         world_size % tp == 0,
         f"worker.rollout.tensor_parallel_size ({tp}) must divide the world size ({world_size})",
     )
     num_samples = d.rollout_batch_size * r.n
-    require(
+    _require(
         a.global_batch_size % world_size == 0,
         f"worker.actor.global_batch_size ({a.global_batch_size}) must be divisible by the world size ({world_size})",
     )
-    require(
+    _require(
         num_samples % a.global_batch_size == 0,
         f"data.rollout_batch_size * worker.rollout.n ({num_samples}) must be divisible by "
         f"worker.actor.global_batch_size ({a.global_batch_size})",
     )
     per_rank_mini = a.global_batch_size // world_size
-    require(
+    _require(
         per_rank_mini % a.micro_batch_size_per_device_for_update == 0,
         f"worker.actor.global_batch_size / world size ({per_rank_mini}) must be divisible by "
         f"worker.actor.micro_batch_size_per_device_for_update ({a.micro_batch_size_per_device_for_update})",
     )
-    require(
-        0 <= a.clip_ratio_low < 1, f"worker.actor.clip_ratio_low must be in [0, 1), got {a.clip_ratio_low}"
-    )
-    require(a.clip_ratio_high >= 0, f"worker.actor.clip_ratio_high must be >= 0, got {a.clip_ratio_high}")
-    require(
-        a.clip_ratio_dual is None or a.clip_ratio_dual > 1,
-        f"worker.actor.clip_ratio_dual must be > 1 (or null), got {a.clip_ratio_dual}",
-    )
-    require(r.temperature > 0, f"worker.rollout.temperature must be > 0, got {r.temperature}")
-    require(0 < r.top_p <= 1, f"worker.rollout.top_p must be in (0, 1], got {r.top_p}")
-    require(0 < r.gpu_memory_utilization <= 1, "worker.rollout.gpu_memory_utilization must be in (0, 1]")
-    require(
-        0 <= d.max_bad_fraction <= 1, f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}"
-    )
+
+
+def _check_dapo(cfg: Config) -> None:
+    """DAPO's switches against the batch sizes and the response length."""
+    d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
     fg = cfg.algorithm.filter_groups
     if fg.enable:
         target = fg.train_batch_size if fg.train_batch_size > 0 else d.rollout_batch_size
-        require(
+        _require(
             target * r.n % a.global_batch_size == 0,
             f"algorithm.filter_groups.train_batch_size * worker.rollout.n ({target * r.n}) must be divisible by "
             f"worker.actor.global_batch_size ({a.global_batch_size})",
         )
     ob = cfg.algorithm.overlong_buffer
-    require(
+    _require(
         not ob.enable or 0 < ob.length <= d.max_response_length,
         f"algorithm.overlong_buffer.length ({ob.length}) must be in (0, data.max_response_length={d.max_response_length}]",
-    )
-    require(
-        a.model.model_path != "", "worker.actor.model.model_path must be set (a local directory or HF id)"
     )

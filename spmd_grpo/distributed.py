@@ -9,7 +9,8 @@ Ascend NPUs (`torch_npu` + vllm-ascend; only tested here against a fake `torch_n
     `torch.npu` and the "npu" device type, and the hccl backend.
   * The process group is created without `device_id` on npu (no eager communicator init), as verl does;
     on cuda `device_id` binds NCCL eagerly.
-  * vLLM sleep level 1 (weights offloaded to host memory) is the default on npu, 2 on cuda, as in verl.
+  * vLLM sleep level 1 (weights offloaded to host memory) is what verl uses on npu (launch/slurm/train_npu.sbatch
+    sets `worker.rollout.sleep_level=1`), 2 on cuda (the config default).
   * Models that are only ever run forward are cast to their compute dtype BEFORE `fully_shard`
     (`cast_before_shard`): torch_npu cannot cast sharded DTensors. The policy keeps fp32 master weights on
     every device (the optimizer must not step in bf16) and is cast only inside FSDP2's all-gather.
@@ -36,9 +37,6 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
-# vLLM sleep level: 2 discards the weights (re-pushed every step anyway); on NPU verl uses 1 (kept in host
-# memory), which vllm-ascend supports best.
-SLEEP_LEVELS = {"cuda": 2, "npu": 1}
 
 
 def _import_torch_npu() -> ModuleType | None:
@@ -82,11 +80,6 @@ def device_module(device_type: str) -> ModuleType | None:
             raise RuntimeError("device npu but torch.npu does not exist: import torch_npu first")
         return torch.npu
     return {"cuda": torch.cuda}.get(device_type)
-
-
-def recommended_sleep_level(device_type: str) -> int:
-    """vLLM sleep level verl uses on this device: 2 on cuda, 1 on npu (cpu has no sleep mode: 2, unused)."""
-    return SLEEP_LEVELS.get(device_type, 2)
 
 
 def cast_before_shard(device_type: str) -> bool:
@@ -234,14 +227,6 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> l
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def broadcast_object(obj: object, src: int = 0) -> object:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def barrier() -> None:

@@ -56,6 +56,7 @@ from .logprobs import unsamplable_token_ids
 
 log = logging.getLogger(__name__)
 
+
 def _make_suppress_processor():
     from vllm.v1.sample.logits_processor import LogitsProcessor
 

@@ -144,6 +144,32 @@ def export_hf(
     from transformers import AutoConfig
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
+    model_path = _check_request(ckpt, dtype, shard_size_mb, model_path=model_path)
+    src = _source_dir(model_path)
+    tie = bool(getattr(AutoConfig.from_pretrained(src), "tie_word_embeddings", False))
+    torch_dtype = DTYPES[dtype]
+    shards = _plan_shards(_model_entries(ckpt, src, tie=tie), torch_dtype, shard_size_mb << 20)
+
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_stale_weights(out)
+    weight_map, total_size = _write_shards(ckpt, out, shards, torch_dtype)
+    _copy_side_files(src, out)
+    _write_config(src, out, dtype)
+    log.info(
+        "exported %s -> %s: %d tensors, %.1f MB in %d file(s), %s%s",
+        ckpt,
+        out,
+        len(weight_map),
+        total_size / 2**20,
+        len(shards),
+        dtype,
+        " (lm_head tied)" if tie else "",
+    )
+    return out
+
+
+def _check_request(ckpt: Path, dtype: str, shard_size_mb: int, *, model_path: str | None) -> str:
+    """Check the export's arguments and the checkpoint; return the base model's path (given or recorded)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if shard_size_mb <= 0:
@@ -155,10 +181,11 @@ def export_hf(
     model_path = model_path or trainer_state.get("model_path")
     if not model_path:
         raise ValueError(f"{ckpt / TRAINER_STATE} records no model_path: pass --model-path")
-    src = _source_dir(model_path)
-    tie = bool(getattr(AutoConfig.from_pretrained(src), "tie_word_embeddings", False))
-    torch_dtype = DTYPES[dtype]
+    return model_path
 
+
+def _model_entries(ckpt: Path, src: Path, *, tie: bool) -> list[tuple[str, str, TensorStorageMetadata]]:
+    """(DCP key, output name, metadata) of every policy tensor to write, from the DCP metadata alone."""
     metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     keys = [
         k
@@ -173,14 +200,22 @@ def export_hf(
     entries = [(k, n, metadata[k]) for k, n in zip(named.values(), names, strict=True)]
     if not entries:
         raise ValueError(f"{ckpt} holds no model tensors (DCP keys starting with {MODEL_PREFIX!r})")
-    shards = _plan_shards(entries, torch_dtype, shard_size_mb << 20)
+    return entries
 
-    out.mkdir(parents=True, exist_ok=True)
+
+def _remove_stale_weights(out: Path) -> None:
+    """Delete weight files (and an index) a previous export left in `out`: they would mix with the new ones."""
     stale = sorted(out.glob("model*.safetensors")) + sorted(out.glob(INDEX))
     if stale:
         log.warning("replacing the weights already in %s: %s", out, [p.name for p in stale])
         for p in stale:
             p.unlink()
+
+
+def _write_shards(
+    ckpt: Path, out: Path, shards: list[list[tuple[str, str, TensorStorageMetadata]]], dtype: torch.dtype
+) -> tuple[dict[str, str], int]:
+    """Read, cast and write one shard at a time (plus the index if more than one); (weight_map, total bytes)."""
     weight_map, total_size = {}, 0
     for i, shard in enumerate(shards):
         fname = (
@@ -191,8 +226,7 @@ def export_hf(
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load(buffers, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
         tensors = {
-            n: buffers.pop(k).to(_out_dtype(md.properties.dtype, torch_dtype)).contiguous()
-            for k, n, md in shard
+            n: buffers.pop(k).to(_out_dtype(md.properties.dtype, dtype)).contiguous() for k, n, md in shard
         }
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for n, t in tensors.items():
@@ -202,7 +236,11 @@ def export_hf(
     if len(shards) > 1:
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map, total_size
 
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """Copy the base model's configs, tokenizer and processor files (config.json is rewritten separately)."""
     for f in sorted(src.iterdir()):
         if (
             f.is_file()
@@ -211,18 +249,6 @@ def export_hf(
             and f.name != "config.json"
         ):
             shutil.copy2(f, out / f.name)
-    _write_config(src, out, dtype)
-    log.info(
-        "exported %s -> %s: %d tensors, %.1f MB in %d file(s), %s%s",
-        ckpt,
-        out,
-        len(weight_map),
-        total_size / 2**20,
-        len(shards),
-        dtype,
-        " (lm_head tied)" if tie else "",
-    )
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Policy-gradient loss (PPO clip, dual clip, GSPO), KL penalties, loss aggregation and entropy.
+"""Policy-gradient loss (PPO clip, dual clip, GSPO), KL penalties and loss aggregation.
 
 Papers:
 - PPO: Schulman et al. 2017 (arXiv:1707.06347), clipped surrogate objective.
@@ -10,7 +10,7 @@ Papers:
   (GSPO-token; same value and, with one advantage per sequence, the same gradient as GSPO).
 - KL estimators k1/k2/k3: Schulman 2020, "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html).
 
-Formulas are verl's (`verl/trainer/ppo/core_algos.py`, see shared/DESIGN-NOTES.md). Deviations:
+Formulas are verl's (`verl/trainer/ppo/core_algos.py`). Deviations:
 - Aggregation is GLOBAL. `aggregate` returns this micro-batch's contribution to the aggregate over the whole
   mini-batch on all ranks, divided by global counts that the caller all-reduces beforehand; summing the
   contributions (gradient accumulation plus the data-parallel gradient sum) gives exactly the global value.
@@ -29,13 +29,11 @@ Formulas are verl's (`verl/trainer/ppo/core_algos.py`, see shared/DESIGN-NOTES.m
   path uses the clamped value, its GSPO path the raw one; they differ only where |delta| > 20).
 - Metrics come back as (masked sum, token count) pairs so that the caller can all-reduce both and divide,
   getting the exact global token-mean (verl averages per-micro-batch means).
-- `entropy_from_logits` computes in float32 even for bf16 logits (a bf16 softmax over a 150k vocabulary
-  loses most of its precision); verl computes in the logits' dtype.
 - Only the KL kinds "kl" (k1), "abs", "mse" (k2) and "low_var_kl" (k3) are provided; verl's "k1"/"k2"/"k3"
   aliases and "+" straight-through variants are not.
 
 Shape legend:
-    B: sequences in this micro-batch    T: padded response length    V: vocabulary size
+    B: sequences in this micro-batch    T: padded response length
 """
 
 import torch
@@ -154,51 +152,23 @@ def policy_loss(
       pg_clipfrac_lower: tokens where the dual-clip cap is active (A < 0 and max(..) > -A c); 0 for gspo
       ppo_kl:            -(logp - logp_old)
     """
-    if loss_mode not in LOSS_MODES:
-        raise ValueError(f"unknown policy loss mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
-    shapes = {t.shape for t in (logprobs, old_logprobs, advantages, response_mask)}
-    if len(shapes) != 1 or logprobs.dim() != 2:
-        raise ValueError(
-            "logprobs, old_logprobs, advantages and response_mask must all be [B, T], got "
-            f"{[tuple(t.shape) for t in (logprobs, old_logprobs, advantages, response_mask)]}"
-        )
-    if clip_ratio_dual is not None:
-        if loss_mode != "vanilla":
-            raise ValueError(
-                f"clip_ratio_dual applies to loss_mode='vanilla' only, got loss_mode={loss_mode!r}"
-            )
-        if not clip_ratio_dual > 1.0:
-            raise ValueError(f"clip_ratio_dual must be > 1.0, got {clip_ratio_dual}")
-
+    _check_policy_inputs(
+        (logprobs, old_logprobs, advantages, response_mask),
+        clip_ratio_dual=clip_ratio_dual,
+        loss_mode=loss_mode,
+    )
     mask = response_mask.bool()
     # Padding may hold anything (-inf old logprobs, NaN advantages). Zero it before any arithmetic: masking
     # only the final loss is not enough, because a NaN times a zero upstream gradient is still a NaN gradient.
     logprobs, old_logprobs, advantages = (_masked(t, mask) for t in (logprobs, old_logprobs, advantages))
     log_ratio = torch.clamp(logprobs - old_logprobs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    if loss_mode == "vanilla":
-        ratio = torch.exp(log_ratio)
-    else:
-        # The sequence ratio is a constant (sg) per sequence; the `logprobs - logprobs.detach()` term is 0 in
-        # value and only routes each token's own gradient, so all tokens of a sequence share the ratio value.
-        tokens_per_seq = mask.sum(dim=-1, keepdim=True).clamp(min=1)
-        seq_log_ratio = (logprobs - old_logprobs).sum(dim=-1, keepdim=True) / tokens_per_seq
-        log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()
-        ratio = torch.exp(torch.clamp(log_seq_ratio, max=_GSPO_LOG_RATIO_MAX))
+    ratio = torch.exp(log_ratio) if loss_mode == "vanilla" else _gspo_ratio(logprobs, old_logprobs, mask)
 
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     clip_loss = torch.maximum(unclipped, clipped)
     clip_active = clipped > unclipped
-    if clip_ratio_dual is not None:
-        # Dual clip bounds the loss of a negative-advantage token whose ratio has grown very large, where the
-        # PPO max() above would otherwise let -A r grow without bound.
-        dual_cap = -advantages * clip_ratio_dual
-        negative = advantages < 0
-        per_token_loss = torch.where(negative, torch.minimum(clip_loss, dual_cap), clip_loss)
-        dual_active = negative & (clip_loss > dual_cap)
-    else:
-        per_token_loss = clip_loss
-        dual_active = torch.zeros_like(mask)
+    per_token_loss, dual_active = _dual_clip(clip_loss, advantages, clip_ratio_dual)
 
     loss = aggregate(
         per_token_loss,
@@ -208,21 +178,61 @@ def policy_loss(
         num_global_seqs=num_global_seqs,
         max_response_length=max_response_length,
     )
+    return loss, _metric_sums(mask, clip_active=clip_active, dual_active=dual_active, log_ratio=log_ratio)
+
+
+def _metric_sums(mask: Tensor, *, clip_active: Tensor, dual_active: Tensor, log_ratio: Tensor) -> MetricSums:
+    """`policy_loss`'s metrics as (masked sum, valid-token count) pairs, detached float32."""
     num_tokens = mask.sum().to(torch.float32)
     with torch.no_grad():
-        metrics = {
+        return {
             "pg_clipfrac": ((clip_active & mask).sum().to(torch.float32), num_tokens),
             "pg_clipfrac_lower": ((dual_active & mask).sum().to(torch.float32), num_tokens),
             "ppo_kl": (_masked(-log_ratio, mask).sum().to(torch.float32), num_tokens),
         }
-    return loss, metrics
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim, [..., V] -> [...] float32.
+def _check_policy_inputs(
+    tensors: tuple[Tensor, Tensor, Tensor, Tensor], *, clip_ratio_dual: float | None, loss_mode: str
+) -> None:
+    """`policy_loss`'s argument checks: a known mode, four [B, T] tensors, a dual clip only where it applies."""
+    if loss_mode not in LOSS_MODES:
+        raise ValueError(f"unknown policy loss mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
+    if len({t.shape for t in tensors}) != 1 or tensors[0].dim() != 2:
+        raise ValueError(
+            "logprobs, old_logprobs, advantages and response_mask must all be [B, T], got "
+            f"{[tuple(t.shape) for t in tensors]}"
+        )
+    if clip_ratio_dual is not None:
+        if loss_mode != "vanilla":
+            raise ValueError(
+                f"clip_ratio_dual applies to loss_mode='vanilla' only, got loss_mode={loss_mode!r}"
+            )
+        if not clip_ratio_dual > 1.0:
+            raise ValueError(f"clip_ratio_dual must be > 1.0, got {clip_ratio_dual}")
 
-    H = logsumexp(z) - sum(softmax(z) z). Materialises a float32 [..., V] copy: the caller chunks over
-    tokens to bound memory (and divides by the sampling temperature first, as the rollout did).
+
+def _gspo_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token ratio s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]), [B, T] (inputs already zeroed on padding).
+
+    The sequence ratio is a constant (sg) per sequence; the `logprobs - logprobs.detach()` term is 0 in value
+    and only routes each token's own gradient, so all tokens of a sequence share the ratio value.
     """
-    z = logits.float()
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    tokens_per_seq = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = (logprobs - old_logprobs).sum(dim=-1, keepdim=True) / tokens_per_seq
+    log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()
+    return torch.exp(torch.clamp(log_seq_ratio, max=_GSPO_LOG_RATIO_MAX))
+
+
+def _dual_clip(clip_loss: Tensor, advantages: Tensor, clip_ratio_dual: float | None) -> tuple[Tensor, Tensor]:
+    """(per-token loss, bool [B, T] where the dual-clip cap is active); without dual clip: (clip_loss, False).
+
+    Dual clip bounds the loss of a negative-advantage token whose ratio has grown very large, where the PPO
+    max() would otherwise let -A r grow without bound.
+    """
+    if clip_ratio_dual is None:
+        return clip_loss, torch.zeros_like(clip_loss, dtype=torch.bool)
+    dual_cap = -advantages * clip_ratio_dual
+    negative = advantages < 0
+    per_token_loss = torch.where(negative, torch.minimum(clip_loss, dual_cap), clip_loss)
+    return per_token_loss, negative & (clip_loss > dual_cap)

@@ -12,6 +12,8 @@ measurements: activations in particular are an order-of-magnitude estimate.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,36 +21,25 @@ from .config import Config, validate
 
 # Published architecture of the Qwen2.5-VL instruct checkpoints (their config.json), used when the hub
 # cannot be reached. Vision tower: 32 blocks, width 1280, MLP 3420, 16 heads, patch 14, merge 2.
+_ARCHITECTURE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+_ARCHITECTURES = [  # model id, then the values of _ARCHITECTURE_FIELDS in that order
+    ("Qwen/Qwen2.5-VL-3B-Instruct", 2048, 11008, 36, 16, 2, 151936, True),
+    ("Qwen/Qwen2.5-VL-7B-Instruct", 3584, 18944, 28, 28, 4, 152064, False),
+    ("Qwen/Qwen2.5-VL-32B-Instruct", 5120, 27648, 64, 40, 8, 152064, False),
+]
 KNOWN_ARCHITECTURES = {
-    "Qwen/Qwen2.5-VL-3B-Instruct": dict(
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_hidden_layers=36,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "Qwen/Qwen2.5-VL-7B-Instruct": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
-    "Qwen/Qwen2.5-VL-32B-Instruct": dict(
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
+    model_id: dict(zip(_ARCHITECTURE_FIELDS, values, strict=True)) for model_id, *values in _ARCHITECTURES
 }
 GiB = 2**30
+BF16 = 2  # bytes per bf16 value
 
 
 def model_config(model_path: str):
@@ -84,13 +75,40 @@ def model_config(model_path: str):
         ), "built-in (offline)"
 
 
-def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: float = 80.0) -> str:
+@dataclass(frozen=True)
+class _Model:
+    """Parameter counts of the model built on the meta device, and its HF text config."""
+
+    num_params: int
+    num_vision: int
+    layer_params: int
+    """The largest decoder layer (what FSDP gathers at once)."""
+    text: Any
+    """The HF text config (hidden_size, num_hidden_layers, vocab_size, ...)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.text.hidden_size // self.text.num_attention_heads
+
+
+@dataclass(frozen=True)
+class _Batches:
+    """The batch arithmetic of one training step on `world` ranks."""
+
+    world: int
+    tp: int
+    prompts_per_rank: int
+    samples_per_rank: int
+    mini_per_rank: int
+    num_mini: int
+    micro_per_mini: int
+    seq: int
+    """Longest sequence: prompt plus response."""
+
+
+def _count_parameters(hf_config) -> _Model:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    world = nnodes * nproc_per_node
-    validate(cfg, world)
-    d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
-    hf_config, source = model_config(a.model.model_path)
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(hf_config)
     num_params = sum(p.numel() for p in model.parameters())
@@ -98,118 +116,145 @@ def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: flo
     layer_params = max(
         sum(p.numel() for p in layer.parameters()) for layer in model.model.language_model.layers
     )
-    text = hf_config.text_config
-    head_dim = text.hidden_size // text.num_attention_heads
+    return _Model(num_params, num_vision, layer_params, hf_config.text_config)
 
-    tp = r.tensor_parallel_size
+
+def _batches(cfg: Config, world: int) -> _Batches:
+    d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
     prompts_per_rank = d.rollout_batch_size // world
     samples_per_rank = prompts_per_rank * r.n
     mini_per_rank = a.global_batch_size // world
-    num_mini = samples_per_rank // mini_per_rank
-    micro_per_mini = mini_per_rank // a.micro_batch_size_per_device_for_update
-    seq = d.max_prompt_length + d.max_response_length
-
-    lines = [
-        f"plan: {nnodes} nodes x {nproc_per_node} devices = world {world}; config valid for this world size"
-    ]
-    lines.append(
-        f"model: {a.model.model_path} ({source} config): {num_params / 1e9:.2f}B parameters "
-        f"(vision {num_vision / 1e6:.0f}M, largest decoder layer {layer_params / 1e6:.0f}M), "
-        f"tie_word_embeddings={hf_config.tie_word_embeddings}"
+    return _Batches(
+        world=world,
+        tp=r.tensor_parallel_size,
+        prompts_per_rank=prompts_per_rank,
+        samples_per_rank=samples_per_rank,
+        mini_per_rank=mini_per_rank,
+        num_mini=samples_per_rank // mini_per_rank,
+        micro_per_mini=mini_per_rank // a.micro_batch_size_per_device_for_update,
+        seq=d.max_prompt_length + d.max_response_length,
     )
+
+
+def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: float = 80.0) -> str:
+    """The plan of `cfg` on nnodes x nproc_per_node devices of device_memory_gb each, as printable lines."""
+    world = nnodes * nproc_per_node
+    validate(cfg, world)
+    a = cfg.worker.actor
+    hf_config, source = model_config(a.model.model_path)
+    model = _count_parameters(hf_config)
+    b = _batches(cfg, world)
+    lines = [
+        f"plan: {nnodes} nodes x {nproc_per_node} devices = world {world}; config valid for this world size",
+        f"model: {a.model.model_path} ({source} config): {model.num_params / 1e9:.2f}B parameters "
+        f"(vision {model.num_vision / 1e6:.0f}M, largest decoder layer {model.layer_params / 1e6:.0f}M), "
+        f"tie_word_embeddings={hf_config.tie_word_embeddings}",
+        *_layout_lines(cfg, b),
+        _shapes_line(cfg, b.seq),
+        *_memory_lines(cfg, model, b, device_memory_gb),
+    ]
+    return "\n".join(lines)
+
+
+def _layout_lines(cfg: Config, b: _Batches) -> list[str]:
+    """TP groups, which rank owns which prompts, and the update's mini/micro-batches."""
+    d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
+    world, tp, prompts_per_rank = b.world, b.tp, b.prompts_per_rank
     groups = [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)]
     shown = groups[:2] + ([["..."]] if len(groups) > 3 else []) + groups[-1:] if len(groups) > 3 else groups
-    lines.append(f"rollout TP groups ({len(groups)} x TP {tp}, consecutive ranks): {shown}")
     owners = [
         f"rank {k}: prompts {k * prompts_per_rank}..{(k + 1) * prompts_per_rank - 1}"
         for k in (0, 1, world - 1)
     ]
-    lines.append(
+    return [
+        f"rollout TP groups ({len(groups)} x TP {tp}, consecutive ranks): {shown}",
         f"prompts per step {d.rollout_batch_size}: {prompts_per_rank} per rank, each with all {r.n} samples "
-        f"({'; '.join(owners)}); a TP group generates its {prompts_per_rank * tp} prompts together"
-    )
-    lines.append(
-        f"update: {samples_per_rank} samples per rank -> {num_mini} mini-batch(es) of {mini_per_rank} per rank "
-        f"(global {a.global_batch_size}) x {micro_per_mini} micro-batches of "
+        f"({'; '.join(owners)}); a TP group generates its {prompts_per_rank * tp} prompts together",
+        f"update: {b.samples_per_rank} samples per rank -> {b.num_mini} mini-batch(es) of {b.mini_per_rank} "
+        f"per rank (global {a.global_batch_size}) x {b.micro_per_mini} micro-batches of "
         f"{a.micro_batch_size_per_device_for_update} x {a.ppo_epochs} epoch(s) = "
-        f"{num_mini * a.ppo_epochs} optimizer steps per training step"
-    )
+        f"{b.num_mini * a.ppo_epochs} optimizer steps per training step",
+    ]
 
+
+def _shapes_line(cfg: Config, seq: int) -> str:
+    """The largest tensors of one update micro-batch, and the image token range of min/max_pixels."""
+    d = cfg.data
+    micro = cfg.worker.actor.micro_batch_size_per_device_for_update
     merge = 2 * 14  # patch 14 x spatial merge 2: one LM token per 28x28 pixels
     max_img_tokens = d.max_pixels // merge**2
     min_img_tokens = max(1, d.min_pixels // merge**2)
     patch_dim = 3 * 2 * 14 * 14
-    lines.append(
-        f"first batch shapes per micro-batch (padded to the longest; at most): input_ids "
-        f"[{a.micro_batch_size_per_device_for_update}, {seq}], position_ids [3, "
-        f"{a.micro_batch_size_per_device_for_update}, {seq}], pixel_values [<= "
-        f"{a.micro_batch_size_per_device_for_update * max_img_tokens * 4}, {patch_dim}], image_grid_thw "
-        f"[{a.micro_batch_size_per_device_for_update}, 3]; an image gives {min_img_tokens}..{max_img_tokens} "
-        f"tokens (min/max_pixels)"
-        + (
-            f" -- images above {d.max_prompt_length * merge**2} pixels cannot fit data.max_prompt_length and "
-            "their prompts will be filtered"
-            if max_img_tokens > d.max_prompt_length
-            else ""
-        )
+    too_large = (
+        f" -- images above {d.max_prompt_length * merge**2} pixels cannot fit data.max_prompt_length and "
+        "their prompts will be filtered"
+        if max_img_tokens > d.max_prompt_length
+        else ""
+    )
+    return (
+        f"first batch shapes per micro-batch (padded to the longest; at most): input_ids [{micro}, {seq}], "
+        f"position_ids [3, {micro}, {seq}], pixel_values [<= {micro * max_img_tokens * 4}, {patch_dim}], "
+        f"image_grid_thw [{micro}, 3]; an image gives {min_img_tokens}..{max_img_tokens} tokens (min/max_pixels)"
+        + too_large
     )
 
-    # Memory per rank (arithmetic).
-    shard = num_params / world
-    trainable = num_params - (num_vision if a.model.freeze_vision_tower else 0)
-    bf16 = 2
-    est = {
+
+def _train_memory(cfg: Config, model: _Model, b: _Batches) -> dict[str, float]:
+    """Bytes per rank while training, by item (arithmetic from parameter counts and config)."""
+    a = cfg.worker.actor
+    text, world = model.text, b.world
+    shard = model.num_params / world
+    trainable = model.num_params - (model.num_vision if a.model.freeze_vision_tower else 0)
+    checkpointing = a.model.enable_gradient_checkpointing
+    micro = a.micro_batch_size_per_device_for_update
+    per_layer = 1 if checkpointing else 16  # activations kept per layer, in units of the layer's input
+    ref_offload = cfg.worker.ref.offload_params
+    reference = "reference fp32 shard" + (" (CPU offload)" if ref_offload else "")
+    logits = f"logits chunk fp32 ({a.logprob_chunk_size} tokens x vocab)"
+    activations = "activations (estimate: layer inputs kept" + (
+        ", checkpointing)" if checkpointing else ", no checkpointing x ~16)"
+    )
+    return {
         "policy fp32 master shard": 4 * shard,
         "gradients fp32 shard": 4 * trainable / world,
         "AdamW states fp32 shard": 8 * trainable / world,
-        "gathered bf16 layer (+ prefetch)": 2 * bf16 * layer_params,
-        "reference fp32 shard" + (" (CPU offload)" if cfg.worker.ref.offload_params else ""): 0.0
-        if cfg.worker.ref.offload_params or not cfg.algorithm.use_kl_loss
-        else 4 * shard,
-        f"logits chunk fp32 ({a.logprob_chunk_size} tokens x vocab)": 4
-        * a.logprob_chunk_size
-        * text.vocab_size
-        * 2,
-        "activations (estimate: layer inputs kept"
-        + (
-            ", checkpointing)" if a.model.enable_gradient_checkpointing else ", no checkpointing x ~16)"
-        ): a.micro_batch_size_per_device_for_update
-        * seq
-        * text.hidden_size
-        * bf16
-        * text.num_hidden_layers
-        * (1 if a.model.enable_gradient_checkpointing else 16),
+        "gathered bf16 layer (+ prefetch)": 2 * BF16 * model.layer_params,
+        reference: 0.0 if ref_offload or not cfg.algorithm.use_kl_loss else 4 * shard,
+        logits: 4 * a.logprob_chunk_size * text.vocab_size * 2,
+        activations: micro * b.seq * text.hidden_size * BF16 * text.num_hidden_layers * per_layer,
     }
+
+
+def _memory_lines(cfg: Config, model: _Model, b: _Batches, device_memory_gb: float) -> list[str]:
+    """Per-rank memory: the training items and their peak, the rollout's reservation, vLLM's KV capacity."""
+    a, r = cfg.worker.actor, cfg.worker.rollout
+    est = _train_memory(cfg, model, b)
+    text, tp, seq = model.text, b.tp, b.seq
     kv_per_token = (
-        2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * bf16 / tp
+        2 * text.num_hidden_layers * text.num_key_value_heads * model.head_dim * BF16 / tp
     )  # this rank's heads
-    vllm_weights = bf16 * num_params / tp
+    vllm_weights = BF16 * model.num_params / tp
     budget = r.gpu_memory_utilization * device_memory_gb * GiB  # what vLLM reserves while awake
     kv_capacity = max(0.0, budget - vllm_weights)
     concurrent = int(kv_capacity // (seq * kv_per_token))
-    group_seqs = prompts_per_rank * tp * r.n
-    resident = est["policy fp32 master shard"] + (
-        0.0 if a.fsdp.offload_optimizer else est["AdamW states fp32 shard"]
-    )
-    lines.append(f"memory per rank (GiB, arithmetic; device {device_memory_gb:g} GiB):")
-    lines += [f"  train   {name:<70} {v / GiB:8.2f}" for name, v in est.items()]
+    group_seqs = b.prompts_per_rank * tp * r.n
+    offload = a.fsdp.offload_optimizer
+    resident = est["policy fp32 master shard"] + (0.0 if offload else est["AdamW states fp32 shard"])
     train_total = sum(est.values())
     headroom = "fits" if train_total <= 0.9 * device_memory_gb * GiB else "TOO TIGHT (> 90% of the device)"
-    lines.append(
+    fits = "fits" if resident + budget <= device_memory_gb * GiB else "DOES NOT FIT"
+    return [
+        f"memory per rank (GiB, arithmetic; device {device_memory_gb:g} GiB):",
+        *(f"  train   {name:<70} {v / GiB:8.2f}" for name, v in est.items()),
         f"  peak while training  ~{train_total / GiB:.1f} GiB"
         + (" (vLLM asleep: weights and KV released)" if r.enable_sleep_mode else " + vLLM resident")
-        + f" -> {headroom}"
-    )
-    lines.append(
+        + f" -> {headroom}",
         f"  rollout: trainer state kept on the device {resident / GiB:.1f} GiB (policy shard"
-        + (")" if a.fsdp.offload_optimizer else " + AdamW states; fsdp.offload_optimizer moves them off)")
+        + (")" if offload else " + AdamW states; fsdp.offload_optimizer moves them off)")
         + f" + vLLM reservation {budget / GiB:.1f} GiB (gpu_memory_utilization {r.gpu_memory_utilization})"
-        f" = {(resident + budget) / GiB:.1f} GiB -> {'fits' if resident + budget <= device_memory_gb * GiB else 'DOES NOT FIT'}"
-    )
-    lines.append(
+        f" = {(resident + budget) / GiB:.1f} GiB -> {fits}",
         f"  vLLM: weights {vllm_weights / GiB:.2f} GiB (bf16 / TP {tp}), KV space {kv_capacity / GiB:.1f} GiB at "
         f"{kv_per_token / 2**10:.0f} KiB/token/rank -> {concurrent} concurrent max-length ({seq}-token) sequences"
         f" per TP group; the step's {group_seqs} sequences per group run in "
-        f"{math.ceil(group_seqs / concurrent) if concurrent else 'NO'} wave(s) at worst"
-    )
-    return "\n".join(lines)
+        f"{math.ceil(group_seqs / concurrent) if concurrent else 'NO'} wave(s) at worst",
+    ]

@@ -6,8 +6,8 @@ The result loads in transformers (`AutoModelForImageTextToText`, `AutoProcessor`
 real Qwen2.5-VL directory, so tests and the smoke job exercise the production loading path. Deterministic for a
 seed (same bytes for the same seed and options).
 
-Constraints from vLLM's CPU backend (shared/VERIFIED-FACTS.md): attention head size must be one of 32, 64, 80,
-... so head_dim is 32 or 64, and mrope_section must sum to head_dim / 2.
+Constraints from vLLM's CPU backend: its attention supports only some head sizes (32, 64, 80, ...), so
+head_dim is 32 or 64, and mrope_section must sum to head_dim / 2.
 """
 
 from __future__ import annotations
@@ -115,13 +115,7 @@ def build_tokenizer(num_merges: int):
 
 def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write a tiny random Qwen2.5-VL (model + tokenizer + processor) into out_dir and return it."""
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     if spec.head_dim not in (32, 64):
         raise ValueError(f"head_dim {spec.head_dim} not supported by vLLM's CPU attention: use 32 or 64")
@@ -130,9 +124,22 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
 
     tokenizer = build_tokenizer(spec.vocab_merges)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = len(tokenizer)
-    vocab_size += -vocab_size % 64  # padded like real checkpoints (vLLM shards the vocab)
+    config = tiny_config(spec, ids, len(tokenizer))
+    torch.manual_seed(spec.seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(out, safe_serialization=True)
+    _save_processor(out, tokenizer)
+    (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=1))
+    return out
 
+
+def tiny_config(spec: TinyModelSpec, ids: dict[str, int], num_tokens: int):
+    """The Qwen2_5_VLConfig of `spec`, for a tokenizer of `num_tokens` tokens whose special-token ids are `ids`."""
+    from transformers import Qwen2_5_VLConfig
+
+    vocab_size = num_tokens + -num_tokens % 64  # padded like real checkpoints (vLLM shards the vocab)
     half = spec.head_dim // 2
     mrope_section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
     config = Qwen2_5_VLConfig(
@@ -171,11 +178,12 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         tie_word_embeddings=spec.tie_word_embeddings,
     )
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    torch.manual_seed(spec.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out, safe_serialization=True)
+    return config
+
+
+def _save_processor(out: Path, tokenizer) -> None:
+    """Qwen2.5-VL's processor (image and video processors, tokenizer, chat template) into `out`."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     image_processor = Qwen2VLImageProcessor(min_pixels=3136, max_pixels=262144, patch_size=14, merge_size=2)
     video_processor = Qwen2VLVideoProcessor(patch_size=14, merge_size=2)
@@ -186,8 +194,6 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
-    (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=1))
-    return out
 
 
 def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:

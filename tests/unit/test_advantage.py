@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from spmd_grpo.advantage import (
-    broadcast_to_tokens,
     compute_batch_std_advantages,
     compute_grpo_advantages,
     group_has_spread,
@@ -154,12 +153,6 @@ def test_batch_std_split_matches_torch_std():
     expected = (scores.double() - group_mean[group_index]) / (scores.double().std() + EPS)
     torch.testing.assert_close(torch.cat([split[0][0], split[1][0]]), expected.float(), rtol=1e-6, atol=1e-7)
     assert split[0][1]["adv/batch_std"] == pytest.approx(float(scores.double().std()), rel=1e-12)
-
-
-def test_broadcast_to_tokens_zeroes_padding():
-    adv = torch.tensor([2.0, -1.0])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert broadcast_to_tokens(adv, mask).tolist() == [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]]
 
 
 def test_group_has_spread_dapo_rules():

@@ -1,11 +1,11 @@
-"""KL kinds, global aggregation, PPO/dual-clip/GSPO losses and entropy against hand-computed values."""
+"""KL kinds, global aggregation and PPO/dual-clip/GSPO losses against hand-computed values."""
 
 import math
 
 import pytest
 import torch
 
-from spmd_grpo.loss import AGG_MODES, aggregate, entropy_from_logits, kl_penalty, policy_loss
+from spmd_grpo.loss import AGG_MODES, aggregate, kl_penalty, policy_loss
 
 CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
 
@@ -217,16 +217,3 @@ def test_gspo_rejects_dual_clip_and_unknown_mode():
         policy_loss(*args, **CLIP, clip_ratio_dual=3.0, loss_mode="gspo", **agg_counts(torch.ones(1, 1)))
     with pytest.raises(ValueError, match="'ppo2'.*vanilla"):
         policy_loss(*args, **CLIP, loss_mode="ppo2", **agg_counts(torch.ones(1, 1)))
-
-
-# ---- entropy ------------------------------------------------------------------------------------------------
-
-
-def test_entropy_from_logits():
-    # uniform over 4 -> ln 4; a near-one-hot distribution -> ~0
-    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
-    torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([math.log(4), 0.0]))
-    z = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0))
-    p = torch.softmax(z, -1)
-    torch.testing.assert_close(entropy_from_logits(z), -(p * p.log()).sum(-1))
-    assert entropy_from_logits(z.bfloat16()).dtype == torch.float32
