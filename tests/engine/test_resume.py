@@ -67,6 +67,9 @@ def test_kill_during_save_then_resume_exactly_and_on_fewer_ranks(tiny_untied, tm
     assert sorted(rows) == [1, 2, 3, 4, 5]
     # The resumed weights (not the base model's) reached the engine: vLLM and the trainer agree (fp32).
     assert rows[5]["rollout/logprob_diff_max"] < 1e-3
+    # ...and the policy resumed the trained weights: a policy at the base weights would have KL 0 to the
+    # reference at its first mini-batch (and about half the step-4 KL over the step).
+    assert rows[5]["actor/kl_loss"] > 0.5 * rows[4]["actor/kl_loss"] > 0
     saved = json.loads(
         (tmp_path / "one_rank" / "checkpoints" / "global_step_5" / "trainer_state.json").read_text()
     )

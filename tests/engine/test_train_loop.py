@@ -5,6 +5,7 @@ generations), not learning (that is `make smoke-test`).
 """
 
 import json
+import math
 
 import pytest
 import yaml
@@ -86,6 +87,8 @@ def test_three_steps_write_every_metric(tiny_untied, tmp_path):
     for r in rows[1:]:
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
+        assert all(math.isfinite(r[k]) for k in REQUIRED), r
+        assert r["actor/lr"] > 0 and r["actor/grad_norm"] > 0 and r["actor/kl_coef"] == 1e-3
         assert r["rollout/logprob_diff_max"] < 1e-3  # fp32 engine and trainer agree during training
         assert r["perf/total_num_tokens"] > 0 and r["perf/throughput"] > 0
     val_steps = [r["step"] for r in rows if "val-core/color/acc/mean@1" in r]

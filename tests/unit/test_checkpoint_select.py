@@ -131,7 +131,9 @@ def test_round_trip_prune_and_rerun(tmp_path):
     }
 
     # Saving the same step again (a rerun) replaces the complete directory and leaves nothing behind.
+    (root / "global_step_4" / "from_the_first_save").touch()
     save(model, optim, tmp_path, 4, save_limit=2)
+    assert not (root / "global_step_4" / "from_the_first_save").exists()
     assert sorted(p.name for p in root.iterdir()) == names
     expected_torch, expected_python = torch.rand(3).tolist(), random.random()
 

@@ -84,7 +84,8 @@ def test_bad_keys_and_types(override, message):
         (
             ["worker.actor.micro_batch_size_per_device_for_update=3"],
             2,
-            "micro_batch_size_per_device_for_update (3)",
+            "worker.actor.global_batch_size / world size (8) must be divisible by "
+            "worker.actor.micro_batch_size_per_device_for_update (3)",
         ),
         (["data.max_response_length=0"], 1, "data.max_response_length must be positive, got 0"),
         (["worker.actor.clip_ratio_dual=0.5"], 1, "clip_ratio_dual must be > 1"),

@@ -82,3 +82,7 @@ def test_rl_math_has_no_collectives():
         imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [m for m in imported if m.startswith("torch.distributed")], name
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        collectives = {"distributed", "all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all"}
+        assert not used & collectives, (name, used & collectives)

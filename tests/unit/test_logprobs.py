@@ -28,6 +28,8 @@ def test_chunked_logprobs_and_entropy_equal_full_softmax():
     processor = AutoProcessor.from_pretrained(d)
     hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
     suppress = unsamplable_token_ids(hf.config)
+    vision = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    assert sorted(suppress) == sorted(getattr(hf.config, k) for k in vision)
     batch, responses = _batch(processor)
     temperature = 0.7
     with torch.no_grad():

@@ -39,6 +39,10 @@ def test_low_var_kl_is_clamped():
     # delta = +30 -> k = -20 -> exp(-20) + 20 - 1 ~ 19 -> clamp to 10
     out = kl_penalty(torch.tensor([[-31.0, -1.0]]), torch.tensor([[-1.0, -31.0]]), "low_var_kl")
     assert out.tolist() == [[10.0, 10.0]]
+    # The inner clamp is what keeps the gradient finite: without it exp(100) = inf and 0 * inf = nan.
+    logp = torch.tensor([[-101.0]], requires_grad=True)
+    kl_penalty(logp, torch.tensor([[-1.0]]), "low_var_kl").sum().backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 1))
 
 
 def test_unknown_kl_kind_names_it():

@@ -47,7 +47,7 @@ def fake_engine(events: list, sleep_level: int) -> RolloutEngine:
     engine = RolloutEngine.__new__(RolloutEngine)  # skip building a real vLLM engine
     engine.llm, engine.stats = llm, engine_mod.EngineStats(synced_version=0)
     engine.cfg = RolloutConfig(sleep_level=sleep_level, weight_sync_bucket_mb=1)
-    engine.world = SimpleNamespace(device_type="cuda", device=torch.device("cpu"))
+    engine.world = SimpleNamespace(device_type="cuda", device="cuda:0")  # never touched: faked moves
     engine.dtype, engine.tie_word_embeddings = torch.float32, False
     engine.sleep_enabled, engine.asleep = True, False
     return engine
@@ -85,7 +85,7 @@ def test_order_and_full_push_after_level_2_sleep(events):
         ("generate",),
         ("sleep", 2),
         ("expandable", True),
-        ("optim", "cpu"),  # back to world.device (the CPU stands in for the accelerator here)
+        ("optim", "cuda:0"),  # back to the device
     ]
     events.clear()
     with engine.rollout_mode(policy, 1):  # same version, but level 2 discarded it: push everything again
@@ -107,4 +107,4 @@ def test_sleeps_and_restores_when_generation_fails(events):
     engine, policy, optimizer = fake_engine(events, sleep_level=2), Policy(), object()
     with pytest.raises(RuntimeError, match="boom"), engine.rollout_mode(policy, 1, optimizer=optimizer):
         raise RuntimeError("boom")
-    assert events[-3:] == [("sleep", 2), ("expandable", True), ("optim", "cpu")]
+    assert events[-3:] == [("sleep", 2), ("expandable", True), ("optim", "cuda:0")]

@@ -14,9 +14,11 @@ def _step(samplers: list[PromptSampler]) -> list[list[tuple[int, int]]]:
 
 def test_sampler_shards_a_global_batch():
     samplers = [PromptSampler(20, 8, rank, 4, seed=0, shuffle=True) for rank in range(4)]
+    one_rank = PromptSampler(20, 8, 0, 1, seed=0, shuffle=True)  # the same global batches, unsplit
     assert samplers[0].steps_per_epoch == 2
     for _ in range(5):
         per_rank = _step(samplers)
+        assert [pos for pairs in per_rank for _, pos in pairs] == [pos for _, pos in one_rank.next_batch()]
         for rank, pairs in enumerate(per_rank):
             assert [uid for uid, _ in pairs] == [2 * rank, 2 * rank + 1]
         positions = [pos for pairs in per_rank for _, pos in pairs]
