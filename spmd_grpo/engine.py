@@ -1,5 +1,12 @@
 """The rollout half of the hybrid engine: one in-process vLLM `LLM` per rank, and the weight stream into it.
 
+The engine never reads the checkpoint: it is built with `load_format="dummy"` (small random weights) and
+receives every weight, frozen ones included, from the FSDP2 policy through the sharded weight stream at the
+first `rollout_mode`, also after a resume (the policy then holds the resumed weights). Reading the
+checkpoint a third time per rank (policy, reference, vLLM) would cost each rank a full read of the model
+files at start-up: for Qwen2.5-VL-32B, 67 GB of bf16 safetensors x 8 ranks per node through one node's disk
+and page cache, for weights that are overwritten at the first push anyway.
+
 Every rank builds `LLM(distributed_executor_backend="external_launcher")` after the trainer's process group
 exists; consecutive ranks form a tensor-parallel group (`worker.rollout.tensor_parallel_size`) and use the
 same engine seed, so the ranks of a group sample identically (per-request seeds make it independent of
@@ -83,6 +90,20 @@ def _make_suppress_processor():
 NO_WEIGHTS = -1  # `EngineStats.synced_version` when the engine holds none of the policy's weights
 
 
+def _host_side_image_normalisation() -> dict:
+    """`mm_device_do_normalize=False` where vLLM has the option (0.32): its device-side image normalisation
+    keeps the processor's mean/std in persistent buffers (`FusedMMInputNorm`) that are not in the checkpoint,
+    so the dummy loader leaves them random and no weight push restores them (measured: per-token logprob
+    errors of 0.14 against the trainer after a full push). Normalising on the host, as vLLM did before,
+    has no such buffer. Costs host CPU time per image, nothing on the device."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    options = {f.name for f in dataclasses.fields(EngineArgs)}
+    return {"mm_device_do_normalize": False} if "mm_device_do_normalize" in options else {}
+
+
 @dataclass
 class EngineStats:
     synced_version: int = NO_WEIGHTS
@@ -127,6 +148,7 @@ class RolloutEngine:
             seed=seed + world.rank // self.tp,
             dtype=dtype,
             enforce_eager=cfg.enforce_eager,
+            load_format="dummy",  # the weights come from the policy (first `rollout_mode`), not from disk
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_sleep_mode=self.sleep_enabled,
             max_model_len=max_model_len,
@@ -137,8 +159,9 @@ class RolloutEngine:
             mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
             logprobs_mode="processed_logprobs",
             logits_processors=[_make_suppress_processor()],
+            **_host_side_image_normalisation(),
         )
-        self.stats = EngineStats(synced_version=0)  # it loaded the checkpoint the policy starts from
+        self.stats = EngineStats()  # dummy weights: the first rollout_mode pushes every weight
         self.asleep = False
 
     # ----------------------------------------------------------------------------------- sleep / wake

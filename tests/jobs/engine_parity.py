@@ -4,6 +4,7 @@
 
 Prompts alternate between 1 and 2 images. Writes one JSON per rank (OUT_JSON with `.rank{r}` before the
 suffix) holding:
+  dummy_diff_max     the same before the first push (vLLM starts with dummy weights: large)
   pre_diff_max       max |vLLM - trainer| per response token before any update (both at the initial weights)
   new_diff_max       after an optimizer step + weight push: max |vLLM - trainer(new weights)|
   old_diff_max       on the same samples: max |vLLM - trainer(old weights)| (shows the engine's logprobs moved)
@@ -112,8 +113,11 @@ def main() -> None:
         attach_pixel_values(samples, processor.image_processor)
         return samples
 
-    # 1. Before any update: engine (loaded from disk) and trainer agree.
-    s1 = rollout(step=0)
+    # 1. Before any update: the engine (dummy weights, then the first push) and the trainer agree.
+    s0 = rollout(step=0)  # the engine still holds vLLM's dummy weights: far from the trainer
+    dummy_diff = max_diff(s0, trainer_logprobs(policy, s0, pad_id))
+    with engine.rollout_mode(policy, 0):  # the first push carries every weight
+        s1 = rollout(step=0)
     pre_diff = max_diff(s1, trainer_logprobs(policy, s1, pad_id))
 
     # 2. A real optimizer step (large lr so every weight, tied head included, moves visibly), then a push.
@@ -152,6 +156,7 @@ def main() -> None:
         "rank": world.rank,
         "tp": args.tp,
         "tied": tie,
+        "dummy_diff_max": dummy_diff,
         "pre_diff_max": pre_diff,
         "new_diff_max": new_diff,
         "old_diff_max": old_diff,
