@@ -121,10 +121,19 @@ def _delete_checkpoint(path: Path) -> None:
 
 
 def _rng_state(world: World) -> dict:
+    """Every RNG stream of this rank, in types `torch.load(weights_only=True)` accepts (numpy's key array
+    as a tensor: a pickled ndarray would need the unsafe loader)."""
     mod = device_module(world.device_type)
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },  # fmt: skip
         "torch": torch.get_rng_state(),
         "device_type": world.device_type,
         "device": mod.get_rng_state() if mod is not None else None,
@@ -133,7 +142,9 @@ def _rng_state(world: World) -> dict:
 
 def _set_rng_state(state: dict, world: World) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     mod = device_module(world.device_type)
     if mod is not None and state["device"] is not None and state["device_type"] == world.device_type:
@@ -268,12 +279,12 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
     set_state_dict(
         policy, optim.optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"]
     )
-    optim.scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=False))
+    optim.scheduler.load_state_dict(_load_data(path / SCHEDULER))
 
     rng_file = path / "rng" / f"rank{world.rank}.pt"
     saved_world = state.get("world_size")
     if saved_world == world.world_size and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False), world)
+        _set_rng_state(_load_data(rng_file), world)
     elif world.is_main:
         why = (
             f"it was saved at world size {saved_world}, this run has {world.world_size}"
@@ -283,6 +294,20 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
         log.warning("RNG streams restart from the seed (not restored from %s): %s", path, why)
     log.info("resumed from %s (step %s)", path, state.get("step"))
     return state
+
+
+def _load_data(file: Path):
+    """`torch.load` that runs no code: only tensors and plain containers/numbers/strings are accepted, so a
+    checkpoint file carrying a pickled object (which could run anything on load) is refused, naming it."""
+    import pickle
+
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"{file}: refused to load (it holds more than tensors and plain data): {first}"
+        ) from None
 
 
 def _check_keys(path: Path, to_load: dict) -> None:

@@ -31,6 +31,14 @@ Formulas are verl's (`verl/trainer/ppo/core_algos.py`). Deviations:
   getting the exact global token-mean (verl averages per-micro-batch means).
 - Only the KL kinds "kl" (k1), "abs", "mse" (k2) and "low_var_kl" (k3) are provided; verl's "k1"/"k2"/"k3"
   aliases and "+" straight-through variants are not.
+- k3 is computed as expm1(k) - k, not exp(k) - k - 1 (verl): the same value, but near k = 0 (policy close to
+  the reference, the usual case) exp(k) rounds to 1 and the difference loses the k^2 / 2 it should return
+  (at |k| = 1e-4 in fp32, exp(k) - k - 1 gives 0 where k^2 / 2 = 5e-9: relative error 1; expm1 - k: 3e-4).
+- `seq-mean-token-sum-norm` (Dr.GRPO) divides sum(L m) by num_sequences x max_response_length, where verl
+  divides by max_response_length only. The Dr.GRPO paper's objective keeps GRPO's 1/G mean over the
+  sequences and replaces only the per-sequence 1/|o_i| by a constant, so its loss is ours; verl's is that
+  times the number of sequences, i.e. a learning rate scaled by the batch size, which would make the step
+  size depend on rollout_batch_size x n. Matching verl's numbers needs lr / num_sequences.
 
 Shape legend:
     B: sequences in this micro-batch    T: padded response length
@@ -56,7 +64,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     """Per-token KL estimate between the policy and the reference, [B, T] -> [B, T].
 
     delta = logp - logp_ref. "kl": delta; "abs": |delta|; "mse": 0.5 delta^2;
-    "low_var_kl" (k3): clamp(exp(k) - k - 1, -10, 10) with k = clamp(-delta, -20, 20).
+    "low_var_kl" (k3): clamp(exp(k) - k - 1, -10, 10) with k = clamp(-delta, -20, 20), computed as
+    expm1(k) - k (exact near k = 0).
     """
     delta = logprobs - ref_logprobs
     if kind == "kl":
@@ -67,7 +76,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
         return 0.5 * delta.square()
     if kind == "low_var_kl":
         k = torch.clamp(-delta, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        return torch.clamp(torch.exp(k) - k - 1, -_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP)
+        return torch.clamp(torch.expm1(k) - k, -_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP)
     raise ValueError(f"unknown KL penalty kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
 
 

@@ -171,3 +171,22 @@ def test_mismatched_model_and_bad_trainer_state_fail_clearly(tmp_path):
     bundle = OptimizerBundle(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     with pytest.raises(ValueError, match="lacks .* entries"):
         load_checkpoint(path, policy=other, optim=bundle, world=WORLD)
+
+
+class _Payload:
+    """What a tampered checkpoint could carry: unpickling it would call `os.system`."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+@pytest.mark.parametrize("victim", ["scheduler.pt", "rng/rank0.pt"])
+def test_a_pickled_payload_in_a_checkpoint_is_refused(tmp_path, victim):
+    model, optim = make_bundle(0)
+    train(model, optim, 1)
+    path = save(model, optim, tmp_path, 1)
+    torch.save({"state": _Payload()}, path / victim)
+    with pytest.raises(ValueError, match=f"{victim}: refused to load"):
+        load_checkpoint(path, policy=model, optim=optim, world=WORLD)

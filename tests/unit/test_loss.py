@@ -221,3 +221,12 @@ def test_gspo_rejects_dual_clip_and_unknown_mode():
         policy_loss(*args, **CLIP, clip_ratio_dual=3.0, loss_mode="gspo", **agg_counts(torch.ones(1, 1)))
     with pytest.raises(ValueError, match="'ppo2'.*vanilla"):
         policy_loss(*args, **CLIP, loss_mode="ppo2", **agg_counts(torch.ones(1, 1)))
+
+
+def test_low_var_kl_keeps_precision_near_zero():
+    # k3 = exp(k) - k - 1 ~ k^2 / 2 for small k: in fp32, exp(k) - k - 1 rounds to 0 at |k| = 1e-4.
+    delta = torch.tensor([[1e-4, -1e-4, 1e-3]])
+    got = kl_penalty(delta, torch.zeros_like(delta), "low_var_kl").double()
+    k = -delta.double()
+    exact = torch.exp(k) - k - 1  # float64
+    assert ((got - exact).abs() / exact).max() < 1e-3
