@@ -40,13 +40,16 @@ exports use ~100-row groups, `tools.synthetic_data.write_parquet` 256. Hub rows 
 memory-mapped Arrow table; `builtin:` rows are generated in memory (small PNGs).
 
 Memory per rank, N kept rows of T prompt tokens, R rows per row group, B prompts per step:
-  * N x (~300 B of object and locator + the problem and answer text + 4 B x T token ids): ~0.6 kB for a
-    geometry3k row (T ~ 60), so 100k rows ~ 60 MB; no pixels;
-  * one row group's image column per split (R x the encoded image size; 256 x 1.4 kB for the synthetic
-    diagrams, ~100 x 0.5 MB for a photo data set exported by Hugging Face);
-  * the step's decoded images: B x images per prompt x 3 B x resized pixels (<= data.max_pixels);
+  * N x (~0.25 kB of objects and locator + the problem and answer text + 4 B x T token ids, a C-int `array`):
+    0.63 kB per synthetic geometry3k row (T = 51, measured with tracemalloc), so 100k rows ~ 65 MB; no pixels;
+  * one row group's image column per split (R x the encoded image size: 256 x 1.4 kB for the synthetic
+    diagrams; 100 rows x 0.5 MB photos = 50 MB), plus what Arrow's allocator keeps of freed reads;
+  * the step's decoded images: B x images per prompt x 4 B (PIL keeps RGB as 32-bit pixels) x resized pixels
+    (<= data.max_pixels);
   * at load, transiently: one row group and `ROW_BATCH` rows of this rank's range, one decoded image, then the
     gathered results of every rank (the first item, pickled, then unpickled).
+Load time: every image is decoded once, by the rank whose range holds it, so it is rows / world_size x (decode
++ tokenize): 0.4 to 1.7 ms per synthetic geometry3k row on one core of a shared CPU (benchmarks/data_memory.py).
 
 `Example.index` is the row's number in its source (for a directory, in the concatenation). Which examples each
 rank rolls out at each step is `spmd_grpo.sampler.PromptSampler`'s business.

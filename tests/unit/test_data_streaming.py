@@ -272,7 +272,7 @@ def test_a_2k_row_load_keeps_no_pixels(tmp_path, processor):
     assert len(examples) == 2000
     assert _live_images() == images_before
     # What is kept per row: the token ids (4 B each), the texts, the object. The eager loader's decoded 224x168
-    # RGB images added 2000 x 113 kB = 226 MB (measured: +315 MiB RSS and 2000 live images).
+    # RGB images (4 B per pixel in PIL) added 2000 x 150 kB = 301 MB (measured: +315 MiB RSS, 2000 live images).
     kept = sum(
         sys.getsizeof(e) + sys.getsizeof(e.token_ids) + sys.getsizeof(e.problem) + sys.getsizeof(e.answer)
         for e in examples
