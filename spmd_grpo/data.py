@@ -545,6 +545,8 @@ def load_dataset(
         raise ValueError(f"no data source for split {split!r} (data.{split}_files is not set)")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if world_size > 1 and all_gather is _single_process:
+        raise ValueError(f"world_size={world_size} needs an all_gather (distributed.all_gather_objects)")
     try:
         sources = _open_sources(source, cfg, split)
         results = _check_share(sources, _Prompting.for_load(cfg, processor, log=rank == 0), rank, world_size)

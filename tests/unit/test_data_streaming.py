@@ -168,6 +168,8 @@ def test_all_gather_must_cover_the_world(tmp_path, processor):
         load_dataset(_cfg(path), processor, rank=0, world_size=2, all_gather=lambda obj: [obj])
     with pytest.raises(ValueError, match="rank 2 is not in a world of size 2"):
         load_dataset(_cfg(path), processor, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="world_size=2 needs an all_gather"):
+        load_dataset(_cfg(path), processor, rank=1, world_size=2)
 
 
 # ------------------------------------------------------------------------------------------ images on demand
