@@ -8,7 +8,8 @@ also readable as data sources without a file:
   * `builtin:color` (`color_task_examples`): a 56x56 solid colour, answer one digit (red/green/blue/yellow
     -> 0/1/2/3); learnable, with tiny prompts (4 image tokens) for CPU tests and smoke runs.
   * `builtin:geo3k` (`synthetic_geo3k_rows`): a drawn diagram and a "Find x." question with a numeric answer.
-`write_parquet` writes such rows (or any rows in the schema) to a parquet file; the CLI writes geo3k rows.
+`write_parquet` writes such rows (or any rows in the schema) to a parquet file in row groups of 256 rows; the
+CLI writes geo3k rows.
 """
 
 from __future__ import annotations
@@ -88,8 +89,15 @@ def synthetic_geo3k_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_parquet(rows: list[dict], path: str | Path) -> Path:
-    """Write rows in the geometry3k schema; an image may be a PIL image, PNG/JPEG bytes, or {bytes, path}."""
+ROW_GROUP_SIZE = 256
+
+
+def write_parquet(rows: list[dict], path: str | Path, *, row_group_size: int = ROW_GROUP_SIZE) -> Path:
+    """Write rows in the geometry3k schema; an image may be a PIL image, PNG/JPEG bytes, or {bytes, path}.
+
+    Row groups hold `row_group_size` rows (256), small like Hugging Face's image parquet exports (~100 rows):
+    a reader that needs one row's images reads that row's row group, so small groups keep random access cheap.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -114,7 +122,7 @@ def write_parquet(rows: list[dict], path: str | Path) -> Path:
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
+    pq.write_table(table, path, row_group_size=row_group_size)
     return path
 
 
