@@ -81,8 +81,9 @@ class Trainer:
             min_pixels=d.min_pixels,
             max_pixels=d.max_pixels,
         )
-        self.dataset = load_dataset(d, self.processor, "train")
-        self.val_examples = load_dataset(d, self.processor, "val") if d.val_files else []
+        shard = dict(rank=world.rank, world_size=world.world_size, all_gather=D.all_gather_objects)
+        self.dataset = load_dataset(d, self.processor, "train", **shard)  # rows checked once, split over ranks
+        self.val_examples = load_dataset(d, self.processor, "val", **shard) if d.val_files else []
         if d.val_max_samples > 0:
             self.val_examples = self.val_examples[: d.val_max_samples]
         self.sampler = PromptSampler(
