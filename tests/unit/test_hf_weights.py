@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from spmd_grpo.hf_weights import load_safetensors_into, on_disk_name, weight_files
 
@@ -117,3 +118,14 @@ def test_directories_without_weights_or_with_a_broken_index(tmp_path):
     with pytest.raises(FileNotFoundError, match="names files that are not in .*model-1.safetensors"):
         weight_files(tmp_path)
 
+
+def test_unknown_non_persistent_buffers_are_refused():
+    from spmd_grpo.model import init_non_persistent_buffers
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.zeros(2), persistent=False)
+
+    with pytest.raises(NotImplementedError, match=r"non-persistent buffers \['table'\] of odd"):
+        init_non_persistent_buffers(nn.ModuleDict({"odd": Odd()}), torch.device("cpu"))
