@@ -81,7 +81,8 @@ def weight_files(model_dir: Path) -> list[Path]:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
-            f"no *.safetensors in {model_dir}: only safetensors checkpoints are read (convert .bin files first)"
+            f"no *.safetensors in {model_dir}: only safetensors checkpoints are read "
+            "(convert .bin files first)"
         )
     return files
 

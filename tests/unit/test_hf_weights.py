@@ -95,7 +95,7 @@ def test_a_broken_file_is_named(tmp_path):
 
 
 def test_a_failed_read_names_the_file_and_the_tensor(tmp_path, monkeypatch):
-    """DCP wraps a reader's error in a CheckpointException (a BaseException): it comes out as a RuntimeError."""
+    """DCP wraps a reader's error in a CheckpointException (a BaseException); it comes out a RuntimeError."""
     from spmd_grpo.hf_weights import SliceReader
 
     def fail(*args):
