@@ -18,7 +18,7 @@ model). Why this and not the alternatives:
 every page a rank touches stays in its resident set until the file is closed, so loading a model's file
 added one more copy of the rank's share of it on top of the shards (measured with benchmarks/load_memory.py
 on a 211M-parameter fp32 checkpoint, policy fp32 + reference bf16: peak RSS 2.52 x the fp32 model at world
-1 and 1.30 x at world 2 with the stock reader, 1.54 x and 0.78 x with this one; the shards are 1.50 x and
+1 and 1.28 x at world 2 with the stock reader, 1.54 x and 0.78 x with this one; the shards are 1.50 x and
 0.75 x). `SliceReader` reads each request with positioned
 reads (`os.preadv`) of the rows it covers into a buffer of at most that slice (or straight into the shard
 when dtype and layout match), so the transient beyond a rank's shards is one slice of one tensor. Bytes are

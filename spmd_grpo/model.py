@@ -25,10 +25,11 @@ Memory at load, Qwen2.5-VL-32B (33.45B parameters: 133.8 GB in fp32, 66.9 GB in 
   * after: device 133.8 / 8 = 16.7 GB (policy, fp32) + 66.9 / 8 = 8.4 GB (reference, bf16) = 25.1 GB per
     rank, the same as after sharding before; transient: one read buffer of at most a rank's rows of the
     largest tensor, the 152064 x 5120 embedding: 1/8 of 778.6M values = 195 MB in bf16 (the checkpoint's
-    dtype). On 64 ranks: 2.1 + 1.0 GB, 24 MB transient. Qwen2.5-VL-7B (8.29B, 33.2 GB fp32) on 8 ranks:
-    4.1 + 2.1 GB instead of 33.2 GB per model per rank.
+    dtype; on accelerators the cast to the shard's dtype may add that slice once more on the device). On
+    64 ranks: 2.1 + 1.0 GB, 24 MB transient. Qwen2.5-VL-7B (8.29B, 33.2 GB fp32) on 8 ranks: 4.1 + 2.1 GB
+    instead of 33.2 GB per model per rank.
   Measured on CPU (benchmarks/load_memory.py, 211M parameters, fsdp.param_dtype=bfloat16): the peak RSS
-  of building policy + reference went from 3.02 x to 1.54 x the fp32 model at world 1 and from 1.57 x to
+  of building policy + reference went from 3.02 x to 1.54 x the fp32 model at world 1 and from 1.53 x to
   0.78 x at world 2, where the shards alone are 1.50 x and 0.75 x (benchmarks/README.md).
 
 CPU offload (`worker.actor.fsdp.offload_params`, `worker.ref.offload_params`): the shards are materialised
