@@ -261,7 +261,8 @@ class RefConfig:
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The dtype the reference is held and run in; auto = worker.actor.fsdp.param_dtype resolved (bfloat16 on
-    accelerators, float32 on CPU): the same numbers as an fp32 copy cast at the all-gather, at half the memory."""
+    accelerators, float32 on CPU): the same numbers as an fp32 copy cast at the all-gather, at half the
+    memory."""
     offload_params: bool = False
     """Keep the reference's shards in host memory between its forwards (FSDP2 CPUOffloadPolicy)."""
 
