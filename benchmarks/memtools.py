@@ -9,7 +9,8 @@ Three views of the same phase, from coarse to fine:
   * tensors: `LiveTensors` counts the bytes of tracked tensors (once per storage) that something still
     references, through weak references, so tracking keeps nothing alive.
 
-Used by `sync_memory.py`; a benchmark run by path imports it as `memtools` (this folder on `sys.path`).
+Used by `sync_memory.py` and `load_memory.py`; a benchmark run by path imports it as `memtools` (this
+folder on `sys.path`).
 """
 
 from __future__ import annotations

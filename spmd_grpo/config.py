@@ -157,6 +157,7 @@ class FSDPConfig:
     """auto: bfloat16 on accelerators, float32 on CPU."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     offload_params: bool = False
+    """Keep the policy's shards (and gradients, optimizer step) in host memory (FSDP2 CPUOffloadPolicy)."""
     offload_optimizer: bool = False
 
 
@@ -256,7 +257,14 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RefConfig:
+    """The frozen reference model for the KL loss (built only with algorithm.use_kl_loss)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The dtype the reference is held and run in; auto = worker.actor.fsdp.param_dtype resolved (bfloat16 on
+    accelerators, float32 on CPU): the same numbers as an fp32 copy cast at the all-gather, at half the
+    memory."""
     offload_params: bool = False
+    """Keep the reference's shards in host memory between its forwards (FSDP2 CPUOffloadPolicy)."""
 
 
 @dataclass(frozen=True)

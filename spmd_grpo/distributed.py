@@ -11,9 +11,10 @@ Ascend NPUs (`torch_npu` + vllm-ascend; only tested here against a fake `torch_n
     on cuda `device_id` binds NCCL eagerly.
   * vLLM sleep level 1 (weights offloaded to host memory) is what verl uses on npu (launch/slurm/train_npu.sbatch
     sets `worker.rollout.sleep_level=1`), 2 on cuda (the config default).
-  * Models that are only ever run forward are cast to their compute dtype BEFORE `fully_shard`
-    (`cast_before_shard`): torch_npu cannot cast sharded DTensors. The policy keeps fp32 master weights on
-    every device (the optimizer must not step in bf16) and is cast only inside FSDP2's all-gather.
+  * Models that are only ever run forward are built directly in their compute dtype (model.py), so no
+    sharded DTensor is ever cast for them (torch_npu cannot cast sharded DTensors). The policy keeps fp32
+    master weights on every device (the optimizer must not step in bf16) and is cast only inside FSDP2's
+    all-gather.
 
 Collectives live here and say what they reduce. Every collective has the process group's timeout
 (`trainer.collective_timeout_s`), so a dead peer turns into an error rather than a hang; torchrun then
@@ -80,11 +81,6 @@ def device_module(device_type: str) -> ModuleType | None:
             raise RuntimeError("device npu but torch.npu does not exist: import torch_npu first")
         return torch.npu
     return {"cuda": torch.cuda}.get(device_type)
-
-
-def cast_before_shard(device_type: str) -> bool:
-    """Whether forward-only models must be cast to their compute dtype before `fully_shard` (torch_npu)."""
-    return device_type == "npu"
 
 
 @dataclass(frozen=True)

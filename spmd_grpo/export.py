@@ -37,12 +37,12 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from .checkpoint import TRAINER_STATE, missing_parts
 from .engine import hf_name
+from .hf_weights import INDEX, on_disk_name
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MODEL_PREFIX = "model."  # DCP key prefix of the policy (checkpoint.py saves {"model": ..., "optim": ...})
-INDEX = "model.safetensors.index.json"
 # Everything a model directory needs besides its weights (configs, tokenizer, processor, chat template, code).
 SIDE_FILE_SUFFIXES = {".json", ".txt", ".jinja", ".model", ".tiktoken", ".py"}
 NOT_COPIED = {INDEX, "pytorch_model.bin.index.json", TRAINER_STATE}
@@ -78,19 +78,10 @@ def _source_weight_names(src: Path) -> set[str] | None:
     return names
 
 
-def _on_disk_name(name: str) -> str:
-    """transformers' on-disk Qwen2-VL / Qwen2.5-VL name of an in-memory parameter name."""
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    if name.startswith("model.visual."):
-        return name.removeprefix("model.")
-    return name
-
-
 def _match_source_naming(names: list[str], source: set[str] | None) -> list[str]:
     if source is None or set(names) <= source:
         return names
-    on_disk = [_on_disk_name(n) for n in names]
+    on_disk = [on_disk_name(n) for n in names]
     if set(on_disk) <= source:
         return on_disk
     log.warning("parameter names match neither naming of the base checkpoint; writing in-memory names")

@@ -40,6 +40,16 @@ KNOWN_ARCHITECTURES = {
 }
 GiB = 2**30
 BF16 = 2  # bytes per bf16 value
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _reference_dtype(cfg: Config) -> str:
+    """The reference's dtype on the planned accelerators: worker.ref.dtype, auto = the actor's param_dtype
+    (itself auto = bfloat16 on accelerators)."""
+    name = cfg.worker.ref.dtype
+    if name == "auto":
+        name = cfg.worker.actor.fsdp.param_dtype
+    return "bfloat16" if name == "auto" else name
 
 
 def model_config(model_path: str):
@@ -209,7 +219,8 @@ def _train_memory(cfg: Config, model: _Model, b: _Batches) -> dict[str, float]:
     micro = a.micro_batch_size_per_device_for_update
     per_layer = 1 if checkpointing else 16  # activations kept per layer, in units of the layer's input
     ref_offload = cfg.worker.ref.offload_params
-    reference = "reference fp32 shard" + (" (CPU offload)" if ref_offload else "")
+    ref_dtype = _reference_dtype(cfg)
+    reference = f"reference {ref_dtype} shard" + (" (CPU offload)" if ref_offload else "")
     logits = f"logits chunk fp32 ({a.logprob_chunk_size} tokens x vocab)"
     activations = "activations (estimate: layer inputs kept" + (
         ", checkpointing)" if checkpointing else ", no checkpointing x ~16)"
@@ -219,7 +230,7 @@ def _train_memory(cfg: Config, model: _Model, b: _Batches) -> dict[str, float]:
         "gradients fp32 shard": 4 * trainable / world,
         "AdamW states fp32 shard": 8 * trainable / world,
         "gathered bf16 layer (+ prefetch)": 2 * BF16 * model.layer_params,
-        reference: 0.0 if ref_offload or not cfg.algorithm.use_kl_loss else 4 * shard,
+        reference: 0.0 if ref_offload or not cfg.algorithm.use_kl_loss else BYTES[ref_dtype] * shard,
         logits: 4 * a.logprob_chunk_size * text.vocab_size * 2,
         activations: micro * b.seq * text.hidden_size * BF16 * text.num_hidden_layers * per_layer,
     }

@@ -97,11 +97,7 @@ class Trainer:
         self.total_steps = cfg.trainer.max_steps or cfg.trainer.total_epochs * self.sampler.steps_per_epoch
         self.policy = build_policy(actor, world)
         self.optim = build_optimizer(self.policy, actor.optim, self.total_steps)
-        self.reference = (
-            build_reference(actor, cfg.worker.ref.offload_params, world)
-            if cfg.algorithm.use_kl_loss
-            else None
-        )
+        self.reference = build_reference(actor, cfg.worker.ref, world) if cfg.algorithm.use_kl_loss else None
         self.tp_group = D.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
         self.engine = self._build_engine()
         self.reward_fn = load_reward_function(cfg.worker.reward.reward_function)

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from spmd_grpo import distributed as D
 
@@ -123,11 +122,6 @@ def test_cpu_helpers_touch_no_device_module(fake_npu):
     assert fake_npu.calls == []
 
 
-def test_cast_rule_per_device():
-    assert D.cast_before_shard("npu")
-    assert not D.cast_before_shard("cuda") and not D.cast_before_shard("cpu")
-
-
 def test_npu_requested_without_torch_npu_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # `import torch_npu` raises ImportError
     with pytest.raises(RuntimeError, match="trainer.device=npu but torch_npu cannot be imported"):
@@ -149,48 +143,38 @@ def test_cuda_requested_without_cuda_is_a_clear_error(monkeypatch):
 
 
 # ---------------------------------------------------------------------- dtype rule (model.py)
-class _TinyHf(nn.Module):
-    """Stands in for the HF model: one weight and a config without vision token ids."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4, dtype=dtype)
-        self.config = SimpleNamespace()
-
-
 @pytest.mark.parametrize(
-    ("device_type", "policy_dtype", "reference_dtype"),
-    [("npu", torch.float32, torch.bfloat16), ("cuda", torch.float32, torch.float32)],
+    ("device_type", "ref_dtype", "param_dtype", "built", "gathered"),
+    [
+        ("npu", "auto", "auto", torch.bfloat16, "bfloat16"),
+        ("cuda", "auto", "auto", torch.bfloat16, "bfloat16"),
+        ("cpu", "auto", "auto", torch.float32, "float32"),
+        ("cpu", "auto", "bfloat16", torch.bfloat16, "bfloat16"),
+        ("cuda", "auto", "float16", torch.float16, "float16"),
+        ("cuda", "float32", "auto", torch.float32, "float32"),
+    ],
 )
-def test_npu_casts_the_reference_before_sharding_and_keeps_fp32_policy(
-    monkeypatch, device_type, policy_dtype, reference_dtype
+def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
+    monkeypatch, device_type, ref_dtype, param_dtype, built, gathered
 ):
+    """The reference never exists in fp32 unless asked, and no sharded tensor of it is ever cast (the
+    dtype it is built in is the dtype FSDP2 gathers); the policy always holds fp32 master weights."""
     from spmd_grpo import model as M
-    from spmd_grpo.config import ActorConfig
+    from spmd_grpo.config import ActorConfig, FSDPConfig, RefConfig
 
-    loaded, sharded = [], []
+    calls = []
 
-    def fake_load(model_path, dtype, device="cpu"):
-        loaded.append(dtype)
-        return _TinyHf(dtype)
+    def fake_build(cfg, dtype, world, *, training):
+        calls.append((training, dtype, cfg.fsdp.param_dtype, cfg.fsdp.offload_params))
 
-    def fake_shard(model, fsdp, world, *, training):
-        sharded.append((training, model.hf.proj.weight.dtype, fsdp.param_dtype))
-        return model
-
-    monkeypatch.setattr(M, "load_hf_model", fake_load)
-    monkeypatch.setattr(M, "shard_model", fake_shard)
-    # torch.device("npu") needs the real torch_npu; the world only has to name the device type here.
+    monkeypatch.setattr(M, "build_sharded", fake_build)
     world = SimpleNamespace(device_type=device_type, device=torch.device("cpu"))
-    cfg = ActorConfig()
-    assert cfg.fsdp.param_dtype == "auto"  # bfloat16 on accelerators
+    cfg = ActorConfig(fsdp=FSDPConfig(param_dtype=param_dtype))
 
     M.build_policy(cfg, world)
-    M.build_reference(cfg, offload=False, world=world)
+    M.build_reference(cfg, RefConfig(dtype=ref_dtype, offload_params=True), world)
 
-    assert loaded == [policy_dtype, reference_dtype]
-    # dtype of the parameters at the moment fully_shard sees them
-    assert sharded == [(True, policy_dtype, "auto"), (False, reference_dtype, "auto")]
+    assert calls == [(True, torch.float32, param_dtype, False), (False, built, gathered, True)]
 
 
 # ---------------------------------------------------------------------- weight push fallback (engine.py)

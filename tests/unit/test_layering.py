@@ -13,7 +13,7 @@ LAYERS = {
     "config": 0, "advantage": 0, "loss": 0, "reward": 0,
     "tools.make_tiny_model": 0, "tools.synthetic_data": 0,
     # 1: the device/collective layer, trainer-side logprobs, data reading and sampling
-    "distributed": 1, "logprobs": 1, "data": 1, "sampler": 1,
+    "distributed": 1, "logprobs": 1, "data": 1, "sampler": 1, "hf_weights": 1,
     # 2: the sample record, model building
     "rollout": 2, "model": 2,
     # 3: metrics, checkpoints, the vLLM engine and its weight stream

@@ -1,0 +1,65 @@
+"""Policy and reference are built on the meta device, sharded, then filled from the checkpoint (each rank
+reading only its rows): the result must be bit-identical to transformers' `from_pretrained` in fp32, at
+world 1 and world 2, with tied and untied embeddings (tests/jobs/model_load.py does the building).
+
+Two torchrun launches (world 1 and world 2) cover both models, the policy, the reference and CPU offload.
+"""
+
+import pytest
+import torch
+
+from tests.conftest import torchrun
+
+pytestmark = pytest.mark.dist
+
+JOB = "tests/jobs/model_load.py"
+WORLDS = [1, 2]
+MODELS = ["tied", "untied"]
+ROTARY = {
+    "model.language_model.rotary_emb.inv_freq",
+    "model.language_model.rotary_emb.original_inv_freq",
+    "model.visual.rotary_pos_emb.inv_freq",
+    "model.visual.rotary_pos_emb.original_inv_freq",
+}
+
+
+@pytest.fixture(scope="module")
+def results(tiny_tied, tiny_untied, tmp_path_factory):
+    """{(world, "tied" | "untied"): the job's checks for that model}."""
+    out = {}
+    for world in WORLDS:
+        path = tmp_path_factory.mktemp("load") / f"w{world}.pt"
+        torchrun([JOB, str(path), str(tiny_tied), str(tiny_untied)], nproc=world)
+        saved = torch.load(path)
+        assert saved["world_size"] == world
+        out[world, "tied"], out[world, "untied"] = saved[tiny_tied.name], saved[tiny_untied.name]
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("model", MODELS)
+def test_policy_is_bit_identical_to_from_pretrained(results, world, model):
+    r = results[world, model]
+    assert r["tied"] == (model == "tied") == r["policy_tied"]
+    assert r["policy_checked"] >= 60 and set(r["rotary_buffers"]) == ROTARY
+    assert r["policy_mismatches"] == []  # every parameter (gathered) and buffer, dtype included
+    assert r["policy_dtypes"] == ["torch.float32"]  # fp32 master weights
+    assert r["policy_logits_equal"] and r["policy_logprobs_equal"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("model", MODELS)
+def test_reference_is_built_in_its_dtype_and_equals_from_pretrained_in_it(results, world, model):
+    r = results[world, model]
+    assert r["ref_dtypes"] == ["torch.bfloat16"] and not r["ref_requires_grad"]
+    assert r["ref_mismatches"] == []
+    assert r["ref_logprobs_equal"], r["ref_logprobs_max_diff"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("model", MODELS)
+def test_cpu_offload_works_on_cpu_and_changes_no_number(results, world, model):
+    r = results[world, model]
+    assert r["ref_offload_logprobs_equal"] and r["ref_offload_on_host"]
+    assert r["policy_offload_mismatches"] == []
+    assert r["policy_step_changed"] == r["policy_trainable"] > 0  # the step moved every trainable tensor

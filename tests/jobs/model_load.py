@@ -1,0 +1,193 @@
+"""torchrun job: policy and reference built on the meta device and filled from the checkpoint equal
+`from_pretrained`, at any world size.
+
+    torchrun --nproc_per_node W tests/jobs/model_load.py OUT.pt MODEL_DIR [MODEL_DIR ...]
+
+For every model directory (the tests pass the tied and the untied tiny model), every rank builds:
+  * the policy (fp32; on tied models with a frozen vision tower and activation checkpointing, as the
+    engine tests train) and compares every parameter (gathered), every buffer (the text and the vision
+    rotary `inv_freq`) and the full fp32 logits of a multimodal prompt, plus the trainer's logprobs of 8
+    multimodal samples, with a `from_pretrained` fp32 model: all must be bit-identical (`torch.equal`);
+  * the reference with `worker.ref.dtype=bfloat16`: its dtypes, and parameters, buffers and logprobs against
+    `from_pretrained(dtype=bfloat16)`;
+  * the reference with `worker.ref.offload_params` (fp32 here, CPU: unpinned host shards): the same
+    logprobs as without offload;
+  * the policy with `worker.actor.fsdp.offload_params`: one forward/backward/AdamW step, after which its
+    parameters equal those of the policy without offload after the same step.
+Rank 0 saves {model name: {check: result}}; the checks that need every rank's view (buffers, logits) are
+combined over ranks first.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.distributed.tensor import DTensor
+
+from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RefConfig
+from spmd_grpo.distributed import all_gather_objects, init_distributed
+from spmd_grpo.logprobs import PolicyModule, unsamplable_token_ids
+from spmd_grpo.model import build_optimizer, build_policy, build_reference
+from spmd_grpo.update import UpdateSpec, collate_samples, compute_logprobs
+from tests.jobs.common import encode, run_job
+from tests.jobs.grad_invariance import make_samples
+
+WRAPPERS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def clean(name: str) -> str:
+    for w in WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def plain(model_dir: str, dtype: torch.dtype) -> PolicyModule:
+    """The reference implementation: transformers' own loading, no FSDP."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    return PolicyModule(hf, unsamplable_token_ids(hf.config)).eval()
+
+
+def full_state(model: PolicyModule) -> dict[str, torch.Tensor]:
+    """Every parameter (gathered if sharded) and buffer of the HF model, by clean name."""
+    out = {}
+    for name, t in model.hf.state_dict().items():
+        out[clean(name)] = t.full_tensor() if hasattr(t, "full_tensor") else t
+    for name, b in model.hf.named_buffers():
+        out[clean(name)] = b
+    return out
+
+
+def mismatches(got: dict, want: dict) -> list[str]:
+    bad = [
+        n for n in want if n not in got or got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])
+    ]
+    return bad + sorted(set(got) - set(want))
+
+
+def full_logits(model: PolicyModule, enc: dict) -> torch.Tensor:
+    """Logits of the HF model over the whole prompt (the FSDP root's own parameters gathered around it)."""
+    sharded = hasattr(model, "unshard")
+    if sharded:
+        model.unshard()
+    with torch.no_grad():
+        logits = model.hf(**enc, use_cache=False).logits
+    if sharded:
+        model.reshard()
+    return logits
+
+
+def spec_for(processor) -> UpdateSpec:
+    pad = processor.tokenizer.pad_token_id
+    return UpdateSpec(1.0, pad, 16, mini_batch_size=8, micro_batch_size=4, experience_micro_batch_size=4)
+
+
+def logprobs(model, samples, spec) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return compute_logprobs(model, samples, spec)
+
+
+def equal_lists(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def every_rank(flag: bool) -> bool:
+    return all(all_gather_objects(bool(flag)))
+
+
+def check_policy(model_dir: str, actor: ActorConfig, world, inputs) -> dict:
+    enc, samples, spec = inputs
+    want = plain(model_dir, torch.float32)
+    policy = build_policy(actor, world)
+    lp, want_lp = logprobs(policy, samples, spec), logprobs(want, samples, spec)
+    logits, want_logits = full_logits(policy, enc), full_logits(want, enc)
+    want_state = full_state(want)
+    hf = policy.hf
+    return {
+        "policy_mismatches": mismatches(full_state(policy), want_state),
+        "policy_checked": len(want_state),
+        "policy_dtypes": sorted({str(p.dtype) for p in policy.parameters()}),
+        "policy_logits_equal": every_rank(torch.equal(logits, want_logits)),
+        "policy_logprobs_equal": every_rank(equal_lists(lp, want_lp)),
+        "policy_tied": hf.lm_head.weight is hf.get_input_embeddings().weight,
+        "rotary_buffers": sorted(n for n in want_state if n.endswith("inv_freq")),
+    }
+
+
+def check_reference(model_dir: str, actor: ActorConfig, world, inputs) -> dict:
+    _, samples, spec = inputs
+    want = plain(model_dir, torch.bfloat16)
+    ref = build_reference(actor, RefConfig(dtype="bfloat16"), world)
+    lp, want_lp = logprobs(ref, samples, spec), logprobs(want, samples, spec)
+    diff = max((a - b).abs().max().item() for a, b in zip(lp, want_lp, strict=True))
+    return {
+        "ref_dtypes": sorted({str(p.dtype) for p in ref.parameters()}),
+        "ref_requires_grad": any(p.requires_grad for p in ref.parameters()),
+        "ref_mismatches": mismatches(full_state(ref), full_state(want)),
+        "ref_logprobs_equal": every_rank(equal_lists(lp, want_lp)),
+        "ref_logprobs_max_diff": diff,
+    }
+
+
+def check_offload(actor: ActorConfig, world, inputs) -> dict:
+    """Offloaded reference: same logprobs. Offloaded policy: same parameters after one step."""
+    _, samples, spec = inputs
+    ref = build_reference(actor, RefConfig(), world)
+    ref_off = build_reference(actor, RefConfig(offload_params=True), world)
+    same_ref = equal_lists(logprobs(ref, samples, spec), logprobs(ref_off, samples, spec))
+    stepped = []
+    for offload in (False, True):
+        fsdp = FSDPConfig(param_dtype="float32", offload_params=offload)
+        policy = build_policy(ActorConfig(model=actor.model, fsdp=fsdp), world)
+        optim = build_optimizer(policy, actor.optim, total_steps=1).optimizer
+        lp, _ = policy(collate_samples(samples[:4], spec.pad_token_id, world.device))
+        lp.sum().backward()
+        optim.step()
+        stepped.append({clean(n).removeprefix("hf."): p.full_tensor() for n, p in policy.named_parameters()})
+    before = full_state(plain(actor.model.model_path, torch.float32))
+    return {
+        "ref_offload_logprobs_equal": every_rank(same_ref),
+        # after its forwards the offloaded reference holds host shards only (its root resharded too)
+        "ref_offload_on_host": all(
+            isinstance(p, DTensor) and p.to_local().device.type == "cpu" for p in ref_off.parameters()
+        ),
+        "policy_offload_mismatches": mismatches(stepped[1], stepped[0]),
+        "policy_step_changed": sum(not torch.equal(t, before[n]) for n, t in stepped[0].items()),
+        "policy_trainable": sum(p.requires_grad for p in policy.parameters()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("model_dirs", nargs="+")
+    args = ap.parse_args()
+    from transformers import AutoProcessor
+
+    torch.manual_seed(0)
+    world = init_distributed("cpu")
+    results = {"world_size": world.world_size}
+    for model_dir in args.model_dirs:
+        processor = AutoProcessor.from_pretrained(model_dir)
+        enc = dict(encode(processor, [Image.new("RGB", (56, 84), (200, 30, 90))], "Which color?"))
+        inputs = (enc, make_samples(processor, vocab_limit=256), spec_for(processor))
+        tied = plain(model_dir, torch.float32).hf.config.tie_word_embeddings
+        model = ModelConfig(
+            model_path=model_dir, freeze_vision_tower=tied, enable_gradient_checkpointing=tied
+        )
+        actor = ActorConfig(model=model, fsdp=FSDPConfig(param_dtype="float32"))
+        out = {"tied": tied}
+        out.update(check_policy(model_dir, actor, world, inputs))
+        out.update(check_reference(model_dir, actor, world, inputs))
+        out.update(check_offload(actor, world, inputs))
+        results[Path(model_dir).name] = out
+    if world.rank == 0:
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    run_job(main)

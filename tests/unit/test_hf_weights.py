@@ -1,0 +1,131 @@
+"""Reading an HF safetensors directory into (here unsharded) tensors: names, dtypes, sharded checkpoints, and
+one-line errors naming the file and the tensor. DCP runs without a process group (a world of one)."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from spmd_grpo.hf_weights import load_safetensors_into, on_disk_name, weight_files
+
+TENSORS = {
+    "model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(6, 4) / 7,
+    "model.layers.0.mlp.up_proj.weight": torch.linspace(-1, 1, 15).reshape(5, 3),
+    "visual.blocks.0.norm1.weight": torch.tensor([0.5, 1.5, 2.5]),
+    "lm_head.weight": torch.full((6, 4), 3.0),
+}
+
+
+def _model_state(dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Empty tensors under the in-memory names (what a sharded module's state_dict would give)."""
+    names = {
+        "model.language_model.embed_tokens.weight": (6, 4),
+        "model.language_model.layers.0.mlp.up_proj.weight": (5, 3),
+        "model.visual.blocks.0.norm1.weight": (3,),
+        "lm_head.weight": (6, 4),
+    }
+    return {n: torch.full(shape, float("nan"), dtype=dtype) for n, shape in names.items()}
+
+
+def _load(state, path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        load_safetensors_into(state, path)
+
+
+def test_on_disk_names_of_qwen2_5_vl():
+    assert (
+        on_disk_name("model.language_model.layers.3.mlp.up_proj.weight")
+        == "model.layers.3.mlp.up_proj.weight"
+    )
+    assert on_disk_name("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
+    assert on_disk_name("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_file_is_read_into_every_tensor_in_the_targets_dtype(tmp_path, dtype):
+    save_file(TENSORS, str(tmp_path / "model.safetensors"))
+    state = _model_state(dtype)
+    _load(state, tmp_path)
+    for name, t in state.items():
+        assert t.dtype == dtype
+        assert torch.equal(t, TENSORS[on_disk_name(name)].to(dtype)), name
+
+
+def test_a_sharded_checkpoint_is_read_through_its_index(tmp_path):
+    names = sorted(TENSORS)
+    files = {"model-00001-of-00002.safetensors": names[:2], "model-00002-of-00002.safetensors": names[2:]}
+    for fname, keys in files.items():
+        save_file({k: TENSORS[k] for k in keys}, str(tmp_path / fname))
+    weight_map = {k: f for f, keys in files.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert [p.name for p in weight_files(tmp_path)] == sorted(files)
+    state = _model_state(torch.bfloat16)
+    _load(state, tmp_path)
+    assert torch.equal(
+        state["model.visual.blocks.0.norm1.weight"], TENSORS["visual.blocks.0.norm1.weight"].bfloat16()
+    )
+
+
+def test_missing_tensor_and_wrong_shape_are_one_line_errors(tmp_path):
+    save_file(
+        {k: v for k, v in TENSORS.items() if k != "lm_head.weight"}, str(tmp_path / "model.safetensors")
+    )
+    with pytest.raises(
+        ValueError, match=r"1 tensor\(s\) of the model are in no \*\.safetensors file of .*lm_head"
+    ):
+        _load(_model_state(), tmp_path)
+    state = {k: v for k, v in _model_state().items() if k != "lm_head.weight"}  # a tied model leaves it out
+    _load(state, tmp_path)
+    state["model.visual.blocks.0.norm1.weight"] = torch.empty(4)
+    with pytest.raises(ValueError, match=r"visual.blocks.0.norm1.weight in .* has shape \[3\] but the model"):
+        _load(state, tmp_path)
+
+
+def test_a_broken_file_is_named(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file(TENSORS, str(path))
+    header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    path.write_bytes(path.read_bytes()[: header + 8])  # header intact, data cut
+    with pytest.raises(ValueError, match=r"cannot read the safetensors file .*model.safetensors: "):
+        _load(_model_state(), tmp_path)
+
+
+def test_a_failed_read_names_the_file_and_the_tensor(tmp_path, monkeypatch):
+    """DCP wraps a reader's error in a CheckpointException (a BaseException); it comes out a RuntimeError."""
+    from spmd_grpo.hf_weights import SliceReader
+
+    def fail(*args):
+        raise OSError("Input/output error")
+
+    save_file(TENSORS, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(SliceReader, "_read_item", staticmethod(fail))
+    with pytest.raises(
+        RuntimeError, match=r"failed on rank 0: reading \S+ from \S+model.safetensors: Input/output"
+    ):
+        _load(_model_state(), tmp_path)
+
+
+def test_directories_without_weights_or_with_a_broken_index(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors in"):
+        weight_files(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-1.safetensors"}})
+    )
+    with pytest.raises(FileNotFoundError, match="names files that are not in .*model-1.safetensors"):
+        weight_files(tmp_path)
+
+
+def test_unknown_non_persistent_buffers_are_refused():
+    from spmd_grpo.model import init_non_persistent_buffers
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.zeros(2), persistent=False)
+
+    with pytest.raises(NotImplementedError, match=r"non-persistent buffers \['table'\] of odd"):
+        init_non_persistent_buffers(nn.ModuleDict({"odd": Odd()}), torch.device("cpu"))
