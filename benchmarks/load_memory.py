@@ -1,7 +1,7 @@
 """Peak host memory of building the policy and the reference model (`build_policy` + `build_reference`).
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node W benchmarks/load_memory.py \
-        [--model-dir D] [--param-dtype bfloat16] [--baseline] [--out result.json]
+        [--model-dir D] [--param-dtype bfloat16] [--baseline] [--engine] [--data] [--out result.json]
 
 Without --model-dir a random Qwen2.5-VL of 211M parameters (hidden 1024, intermediate 4096, 12 layers, 16
 heads, 4 KV heads, vision width 512 and depth 8, vocabulary 512; 806.7 MiB in fp32) is built from config (no
@@ -20,7 +20,10 @@ are resident while mapped). `policy` is the peak while the policy was built, `to
 builds, `kept` the VmRSS after both minus before. `live_heap` is glibc's in-use heap sampled every ~1 ms
 (memtools.HeapSampler): allocations only, no file mappings. Every figure is printed in MiB and as a multiple
 of the model's fp32 size; `ideal` is what the shards alone weigh on a rank (fp32 policy shard + reference
-shard). Rank 0 prints one table and, with --out, writes it as JSON.
+shard). `--engine` then builds the rollout engine (vLLM, dummy weights) and pushes the policy into it: its
+peak adds vLLM's own weights and its KV cache (1 GiB here) to the models'. `--data` then runs
+benchmarks/data_memory.py (the data pipeline at 2k and 20k rows, fresh processes). Rank 0 prints one table
+and, with --out, writes it as JSON.
 """
 
 from __future__ import annotations
@@ -99,8 +102,30 @@ def builders(actor, world):
     return (lambda: build_policy(actor, world)), (lambda: build_reference(actor, RefConfig(), world))
 
 
-def measure(actor, world, baseline: bool) -> dict:
-    """Build policy then reference under the OS and heap probes; bytes and seconds of this rank."""
+def build_engine(actor, world, policy):
+    """The rollout engine as the trainer builds it (vLLM with dummy weights, fp32 on CPU, 1 GiB KV cache),
+    then its first weight push (every weight, from the sharded policy)."""
+    from spmd_grpo.config import RolloutConfig
+    from spmd_grpo.engine import RolloutEngine
+
+    engine = RolloutEngine(
+        actor.model.model_path,
+        RolloutConfig(dtype="float32", kv_cache_memory_gb=1.0, weight_sync_bucket_mb=64),
+        world,
+        max_model_len=1024,
+        dtype=torch.float32,
+        min_pixels=3136,
+        max_pixels=262144,
+        seed=0,
+        tie_word_embeddings=bool(policy.config.tie_word_embeddings),
+    )
+    with engine.rollout_mode(policy, 0):
+        pass
+    return engine
+
+
+def measure(actor, world, baseline: bool, with_engine: bool = False) -> dict:
+    """Build policy then reference (then the engine) under the OS and heap probes; bytes and seconds."""
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # noqa: F401  code, not model: not measured
 
     build_policy, build_reference = (baseline_builders if baseline else builders)(actor, world)
@@ -113,6 +138,11 @@ def measure(actor, world, baseline: bool) -> dict:
         policy_peak = proc_mem()["VmHWM"] - before
         heap.where = "reference"
         reference = build_reference()
+        models_peak = proc_mem()["VmHWM"] - before
+        if with_engine:
+            heap.where = "engine"
+            engine = build_engine(actor, world, policy)
+            engine.shutdown()
     seconds = time.perf_counter() - t0
     mem = proc_mem()
     held = sum(p.to_local().numel() * p.element_size() for m in (policy, reference) for p in m.parameters())
@@ -120,7 +150,8 @@ def measure(actor, world, baseline: bool) -> dict:
         "rank": world.rank,
         "rss_before": before,
         "policy": policy_peak,
-        "total": mem["VmHWM"] - before,
+        "total": models_peak,
+        "with_engine": mem["VmHWM"] - before if with_engine else None,
         "kept": mem["VmRSS"] - before,
         "live_heap": heap.peak_extra,
         "live_heap_at": heap.peak_at,
@@ -152,6 +183,11 @@ def table(rows: list[dict], fp32_bytes: int, args, world_size: int) -> str:
             f"{r['rank']:>4} {r['rss_before'] / MiB:10.1f} {cell(r['policy'])} {cell(r['total'])} "
             f"{cell(r['kept'])} {cell(r['live_heap'])} {cell(r['shards'])} {r['seconds']:7.1f}"
         )
+    if rows[0]["with_engine"] is not None:
+        lines.append(
+            "with the engine (vLLM, dummy weights, 1 GiB KV cache, first push of every weight): peak "
+            + ", ".join(f"rank {r['rank']} {cell(r['with_engine'])}" for r in rows)
+        )
     worst = max(rows, key=lambda r: r["total"])
     lines.append(
         f"max: total {worst['total'] / MiB:.1f} MiB = {worst['total'] / fp32_bytes:.2f} x the fp32 model "
@@ -169,6 +205,10 @@ def main() -> None:
         "--stock-reader",
         action="store_true",
         help="read with torch's HuggingFaceStorageReader (memory-maps the files) instead of SliceReader",
+    )
+    ap.add_argument("--engine", action="store_true", help="also build the vLLM engine and push the weights")
+    ap.add_argument(
+        "--data", action="store_true", help="then run benchmarks/data_memory.py for 2k and 20k rows (rank 0)"
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -196,12 +236,17 @@ def main() -> None:
             args.num_params += sum(math.prod(f.get_slice(k).get_shape()) for k in names)
     fsdp = FSDPConfig(param_dtype=args.param_dtype)
     actor = ActorConfig(model=ModelConfig(model_path=str(args.model_dir)), fsdp=fsdp)
-    rows = all_gather_objects(measure(actor, world, args.baseline))
+    rows = all_gather_objects(measure(actor, world, args.baseline, args.engine))
     if world.rank == 0:
         print(table(rows, 4 * args.num_params, args, world.world_size), flush=True)
         if args.out is not None:
             settings = {k: v if isinstance(v, int | bool) else str(v) for k, v in vars(args).items()}
             args.out.write_text(json.dumps({"args": settings, "rows": rows}, indent=1) + "\n")
+        if args.data:
+            import data_memory
+
+            sizes = [2000, 20000]
+            print(data_memory.report(data_memory.run_benchmark(sizes), sizes, 16), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -236,6 +236,30 @@ def _train_memory(cfg: Config, model: _Model, b: _Batches) -> dict[str, float]:
     }
 
 
+def _load_line(cfg: Config, model: _Model, b: _Batches, budget: float, device_memory_gb: float) -> str:
+    """What a rank holds on the device while building: its fp32 policy shard, its reference shard, one
+    slice of the largest tensor being read (the embedding), then vLLM's reservation (dummy weights + KV,
+    filled by the first push). The whole model never passes through a rank (`from_pretrained` on every
+    rank, the previous way, put 4 bytes x all parameters on each device and in host RAM)."""
+    a, ref = cfg.worker.actor, cfg.worker.ref
+    shard = model.num_params / b.world
+    policy = 0.0 if a.fsdp.offload_params else 4 * shard
+    use_ref = cfg.algorithm.use_kl_loss and not ref.offload_params
+    reference = BYTES[_reference_dtype(cfg)] * shard if use_ref else 0.0
+    transient = 4 * model.text.vocab_size * model.text.hidden_size / b.world  # fp32 slice of the embedding
+    models = policy + reference + transient
+    total = models + budget
+    fits = "fits" if total <= device_memory_gb * GiB else "DOES NOT FIT"
+    return (
+        f"  load    policy shard {policy / GiB:.2f} + reference shard {reference / GiB:.2f}"
+        + (" (offloaded to host)" if cfg.algorithm.use_kl_loss and ref.offload_params else "")
+        + f" + one slice read "
+        f"{transient / GiB:.2f} = {models / GiB:.2f} GiB, then vLLM (dummy weights, reservation {budget / GiB:.1f} "
+        f"GiB) = {total / GiB:.1f} GiB -> {fits}; host: one slice buffer per rank (whole-model load per rank, "
+        f"the previous way: {4 * model.num_params / GiB:.1f} GiB)"
+    )
+
+
 def _memory_lines(cfg: Config, model: _Model, b: _Batches, device_memory_gb: float) -> list[str]:
     """Per-rank memory: the training items and their peak, the rollout's reservation, vLLM's KV capacity."""
     a, r = cfg.worker.actor, cfg.worker.rollout
@@ -256,6 +280,7 @@ def _memory_lines(cfg: Config, model: _Model, b: _Batches, device_memory_gb: flo
     fits = "fits" if resident + budget <= device_memory_gb * GiB else "DOES NOT FIT"
     return [
         f"memory per rank (GiB, arithmetic; device {device_memory_gb:g} GiB):",
+        _load_line(cfg, model, b, budget, device_memory_gb),
         *(f"  train   {name:<70} {v / GiB:8.2f}" for name, v in est.items()),
         f"  peak while training  ~{train_total / GiB:.1f} GiB"
         + (" (vLLM asleep: weights and KV released)" if r.enable_sleep_mode else " + vLLM resident")

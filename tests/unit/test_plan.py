@@ -49,3 +49,13 @@ def test_dry_run_cli_rejects_a_world_the_config_cannot_split():
         proc.stderr.strip()
         == "config error: data.rollout_batch_size (512) must be divisible by the world size (21)"
     )
+
+
+def test_32b_config_fits_80gb_on_8_nodes_x_8_in_every_phase():
+    cfg = load_config(REPO / "configs" / "qwen2_5_vl_32b_geo3k_grpo.yaml")
+    plan = dry_run(cfg, nnodes=8, nproc_per_node=8, device_memory_gb=80)
+    phases = [line for line in plan.splitlines() if line.startswith(("  load", "  peak while", "  rollout:"))]
+    assert len(phases) == 3, plan
+    assert all(line.endswith("fits") or "-> fits;" in line for line in phases), phases
+    # The load phase never holds the whole model: ~2 GiB of shards + a slice, not 124.6 GiB of fp32.
+    assert "policy shard 1.95" in plan and "the previous way: 124.6 GiB" in plan
