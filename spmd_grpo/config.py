@@ -115,6 +115,43 @@ class OverlongBufferConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Rollout correction (verl's ``algorithm.rollout_correction``): importance weights and rejection for the
+    gap between vLLM's sampling distribution and the trainer's old policy (formulas in correction.py)."""
+
+    rollout_is: str | None = None
+    """IS weight level: token | sequence | null (off). Weights are truncated at rollout_is_threshold (TIS)."""
+    rollout_is_threshold: float = 2.0
+    """TIS cap C >= 1: w = min(pi_old / pi_rollout, C)."""
+    rollout_rs: str | None = None
+    """Rejection (masked IS) level: token | sequence | geometric | null (off); tokens or whole sequences whose
+    ratio lies outside [rollout_rs_threshold_lower, rollout_rs_threshold] leave the loss and its normaliser."""
+    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold_lower: float | None = None
+    """null: 1 / rollout_rs_threshold."""
+
+    def check(self, prefix: str) -> None:
+        _require(
+            self.rollout_is in (None, "token", "sequence"),
+            f"{prefix}rollout_is must be one of 'token', 'sequence' or null, got {self.rollout_is!r}",
+        )
+        _require(
+            self.rollout_rs in (None, "token", "sequence", "geometric"),
+            f"{prefix}rollout_rs must be one of 'token', 'sequence', 'geometric' or null, got {self.rollout_rs!r}",
+        )
+        cap, upper = self.rollout_is_threshold, self.rollout_rs_threshold
+        lower = self.rollout_rs_threshold_lower
+        _require(
+            cap >= 1, f"{prefix}rollout_is_threshold must be >= 1 (a cap on pi_old/pi_rollout), got {cap}"
+        )
+        _require(upper >= 1, f"{prefix}rollout_rs_threshold must be >= 1, got {upper}")
+        _require(
+            lower is None or 0 < lower <= 1,
+            f"{prefix}rollout_rs_threshold_lower must be in (0, 1] (or null: 1 / rollout_rs_threshold), got {lower}",
+        )
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: Literal["grpo", "drgrpo"] = "grpo"
     """grpo: (s - mean) / (std + eps) per group; drgrpo: s - mean (Liu et al. 2025)."""
@@ -126,6 +163,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.01
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass(frozen=True)

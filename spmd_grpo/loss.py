@@ -143,6 +143,7 @@ def policy_loss(
     num_global_tokens: float,
     num_global_seqs: float,
     max_response_length: int,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, MetricSums]:
     """Clipped policy-gradient loss contribution of this micro-batch, and metric sums.
 
@@ -154,6 +155,8 @@ def policy_loss(
              with dual clip (clip_ratio_dual = c > 1), for A < 0: L = min(L, -A c).
     gspo:    r = s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]), s_i = exp(mean over valid tokens of
              (logp - logp_old)) (log clamped at max 10), same clipped L; no dual clip.
+    rollout_is_weights ([B, T], see correction.py): L is multiplied by these constants (detached) before
+    aggregation, as verl's `pg_losses * rollout_is_weights`; the metrics do not see them.
 
     Metrics, each a (masked sum, valid-token count) pair of detached 0-d float32 tensors; global token-mean
     = all_reduce(sum) / all_reduce(count):
@@ -161,11 +164,9 @@ def policy_loss(
       pg_clipfrac_lower: tokens where the dual-clip cap is active (A < 0 and max(..) > -A c); 0 for gspo
       ppo_kl:            -(logp - logp_old)
     """
-    _check_policy_inputs(
-        (logprobs, old_logprobs, advantages, response_mask),
-        clip_ratio_dual=clip_ratio_dual,
-        loss_mode=loss_mode,
-    )
+    tensors = (logprobs, old_logprobs, advantages, response_mask)
+    weights = () if rollout_is_weights is None else (rollout_is_weights,)
+    _check_policy_inputs((*tensors, *weights), clip_ratio_dual=clip_ratio_dual, loss_mode=loss_mode)
     mask = response_mask.bool()
     # Padding may hold anything (-inf old logprobs, NaN advantages). Zero it before any arithmetic: masking
     # only the final loss is not enough, because a NaN times a zero upstream gradient is still a NaN gradient.
@@ -178,15 +179,11 @@ def policy_loss(
     clip_loss = torch.maximum(unclipped, clipped)
     clip_active = clipped > unclipped
     per_token_loss, dual_active = _dual_clip(clip_loss, advantages, clip_ratio_dual)
+    if rollout_is_weights is not None:
+        per_token_loss = per_token_loss * _masked(rollout_is_weights.detach(), mask)
 
-    loss = aggregate(
-        per_token_loss,
-        mask,
-        loss_agg_mode,
-        num_global_tokens=num_global_tokens,
-        num_global_seqs=num_global_seqs,
-        max_response_length=max_response_length,
-    )
+    counts = dict(num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
+    loss = aggregate(per_token_loss, mask, loss_agg_mode, **counts, max_response_length=max_response_length)
     return loss, _metric_sums(mask, clip_active=clip_active, dual_active=dual_active, log_ratio=log_ratio)
 
 
@@ -202,14 +199,14 @@ def _metric_sums(mask: Tensor, *, clip_active: Tensor, dual_active: Tensor, log_
 
 
 def _check_policy_inputs(
-    tensors: tuple[Tensor, Tensor, Tensor, Tensor], *, clip_ratio_dual: float | None, loss_mode: str
+    tensors: tuple[Tensor, ...], *, clip_ratio_dual: float | None, loss_mode: str
 ) -> None:
-    """`policy_loss`'s argument checks: a known mode, four [B, T] tensors, a dual clip only where it applies."""
+    """`policy_loss`'s argument checks: a known mode, [B, T] tensors, a dual clip only where it applies."""
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unknown policy loss mode {loss_mode!r}; valid modes: {', '.join(LOSS_MODES)}")
     if len({t.shape for t in tensors}) != 1 or tensors[0].dim() != 2:
         raise ValueError(
-            "logprobs, old_logprobs, advantages and response_mask must all be [B, T], got "
+            "logprobs, old_logprobs, advantages, response_mask (and rollout_is_weights) must all be [B, T], got "
             f"{[tuple(t.shape) for t in tensors]}"
         )
     if clip_ratio_dual is not None:

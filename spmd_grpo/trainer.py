@@ -26,7 +26,8 @@ Semantics (verl's unless noted; formulas in advantage.py / loss.py):
   * Loss aggregation uses GLOBAL token/sequence counts of the mini-batch (all ranks, all micro-batches);
     verl's legacy mean of micro-batch means is not reproduced. FSDP averages gradients over ranks, so the
     per-rank loss is multiplied by the world size to recover the global sum.
-  * Rollout logprobs from vLLM are only used for `rollout/logprob_diff_*` (the mismatch users must see).
+  * Rollout logprobs from vLLM are used for `rollout/logprob_diff_*` (the mismatch users must see) and, when
+    `algorithm.rollout_correction` is on, for the IS weights / rejection of the update (correction.py).
 """
 
 from __future__ import annotations

@@ -9,18 +9,26 @@ gradients over ranks; the loss is multiplied by the world size to turn that aver
 
 Every setting the update reads travels as one frozen `UpdateSpec`, resolved from the config once; every
 per-sample input (old and reference logprobs, advantage) is a field of the `Sample` record.
+
+Rollout correction (correction.py, `algorithm.rollout_correction`): each mini-batch's IS weights and
+rejection mask are computed from the samples' old and vLLM logprobs before its token counts are all-reduced;
+rejected tokens leave the mask of the policy, entropy and KL terms and the global counts (verl's choice), the
+policy-gradient loss of the kept tokens is multiplied by the weights. Its metrics are computed once per step
+over all samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .config import Config
+from .correction import Correction, CorrectionSpec, rollout_correction
 from .distributed import World, all_reduce_max, all_reduce_min, all_reduce_sum
 from .logprobs import SequenceBatch, collate
 from .loss import aggregate, kl_penalty, policy_loss
@@ -56,6 +64,8 @@ class UpdateSpec:
     kl_penalty: str = "low_var_kl"
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
+    rollout_correction: CorrectionSpec = field(default_factory=CorrectionSpec)
+    """Off (both levels null) unless the config enables it."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, world_size: int, pad_token_id: int) -> UpdateSpec:
@@ -78,6 +88,7 @@ class UpdateSpec:
             kl_penalty=alg.kl_penalty,
             kl_coef=alg.kl_coef,
             max_grad_norm=a.max_grad_norm,
+            rollout_correction=CorrectionSpec(**dataclasses.asdict(alg.rollout_correction)),
         )
 
 
@@ -117,13 +128,48 @@ def _add(sums: MetricSums, name: str, total: float, count: float) -> None:
     sums[name] = (s + total, c + count)
 
 
+def padded_correction(samples: list[Sample], spec: UpdateSpec) -> Correction | None:
+    """The rollout correction of `samples`, [len(samples), longest response] on CPU; None when it is off."""
+    if not spec.rollout_correction.enabled:
+        return None
+    width = max([len(s.response_ids) for s in samples] + [1])  # collate's response width
+    old = _pad([s.old_logprobs for s in samples], width, torch.device("cpu"))
+    vllm = _pad([torch.tensor(s.rollout_logprobs) for s in samples], width, torch.device("cpu"))
+    mask = _pad([torch.ones(len(s.response_ids)) for s in samples], width, torch.device("cpu"))
+    return rollout_correction(old, vllm, mask, spec.rollout_correction)
+
+
+def _train_mask(
+    response_mask: torch.Tensor, correction: Correction | None, spec: UpdateSpec
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mask of the tokens to train on, IS weights or None): `correction` holds this micro-batch's rows."""
+    if correction is None:
+        return response_mask, None
+    width, device = response_mask.shape[1], response_mask.device
+    keep = correction.keep[:, :width].to(device)
+    weights = correction.weights[:, :width].to(device) if spec.rollout_correction.rollout_is else None
+    return response_mask * keep, weights
+
+
+def _rows(correction: Correction | None, rows: slice) -> Correction | None:
+    """The micro-batch `rows` of a mini-batch's correction (metric sums kept as they are: unused here)."""
+    if correction is None:
+        return None
+    return dataclasses.replace(correction, weights=correction.weights[rows], keep=correction.keep[rows])
+
+
 def _micro_batch_loss(
-    policy: nn.Module, samples: list[Sample], spec: UpdateSpec, agg: dict, sums: MetricSums
+    policy: nn.Module,
+    samples: list[Sample],
+    spec: UpdateSpec,
+    agg: dict,
+    sums: MetricSums,
+    correction: Correction | None = None,
 ) -> torch.Tensor:
     """This micro-batch's share of the global mini-batch loss; adds its metric sums to `sums`."""
     device = next(policy.parameters()).device
     batch = collate_samples(samples, spec.pad_token_id, device)
-    mask = batch.response_mask
+    mask, is_weights = _train_mask(batch.response_mask, correction, spec)
     width = mask.shape[1]
     logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
     old = _pad([s.old_logprobs for s in samples], width, device)
@@ -139,6 +185,7 @@ def _micro_batch_loss(
         clip_ratio_dual=spec.clip_ratio_dual,
         loss_mode=spec.loss_mode,
         loss_agg_mode=spec.loss_agg_mode,
+        rollout_is_weights=is_weights,
         **agg,
     )
     loss = pg_loss
@@ -167,7 +214,11 @@ def mini_batch_backward(
     Returns metric sums {name: (local sum, local count)}. The loss contributions are shares of the global
     mini-batch value, so the gradient is the same for any micro-batch size and any world size.
     """
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    correction = padded_correction(samples, spec)
+    if correction is None:
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    else:  # rejected tokens are not counted
+        lengths = correction.keep.sum(dim=-1).double()
     counts = all_reduce_sum(
         torch.tensor([lengths.sum().item(), float((lengths > 0).sum())], dtype=torch.float64)
     )
@@ -178,7 +229,8 @@ def mini_batch_backward(
     )
     sums: MetricSums = {}
     for start in range(0, len(samples), spec.micro_batch_size):
-        loss = _micro_batch_loss(policy, samples[start : start + spec.micro_batch_size], spec, agg, sums)
+        rows = slice(start, start + spec.micro_batch_size)
+        loss = _micro_batch_loss(policy, samples[rows], spec, agg, sums, _rows(correction, rows))
         (loss * world.world_size).backward()
     return sums
 
@@ -216,6 +268,7 @@ def update_policy(
             lrs.append(lr)
     optim.scheduler.step()
     metrics = global_means(sums)
+    metrics.update(correction_metrics(samples, spec))
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["actor/lr"] = lrs[-1]
     # Every rank must run the same number of forward/backward passes (else FSDP collectives hang): logged.
@@ -224,4 +277,16 @@ def update_policy(
     metrics["train/num_micro_batches_max"] = float(all_reduce_max(count))
     if spec.use_kl_loss:
         metrics["actor/kl_coef"] = spec.kl_coef
+    return metrics
+
+
+def correction_metrics(samples: list[Sample], spec: UpdateSpec) -> dict[str, float]:
+    """`rollout_corr/*` over every rank's `samples` (empty when the correction is off); collective."""
+    correction = padded_correction(samples, spec)
+    if correction is None:
+        return {}
+    metrics = global_means(correction.sums)
+    names = sorted(correction.maxima)
+    maxima = all_reduce_max(torch.tensor([correction.maxima[n] for n in names], dtype=torch.float64))
+    metrics.update(zip(names, maxima.tolist(), strict=True))
     return metrics
