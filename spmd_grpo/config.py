@@ -158,12 +158,12 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     adv_std_scope: Literal["group", "batch"] = "group"
     adv_eps: float = 1e-6
-    use_kl_loss: bool = True
-    kl_penalty: Literal["low_var_kl", "kl", "abs", "mse"] = "low_var_kl"
-    kl_coef: float = 0.01
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    use_kl_loss: bool = True
+    kl_penalty: Literal["low_var_kl", "kl", "abs", "mse"] = "low_var_kl"
+    kl_coef: float = 0.01
 
 
 @dataclass(frozen=True)

@@ -586,11 +586,11 @@ def _examples(sources: list[_Rows], results: list, cfg: DataConfig, *, log: bool
                 index=source.index_offset + result.row,
                 problem=result.problem,
                 answer=result.answer,
+                source=source,
+                row=result.row,
                 data_source=result.data_source,
                 num_prompt_tokens=result.num_prompt_tokens,
                 token_ids=result.token_ids,
-                source=source,
-                row=result.row,
             )
         )
     for source, source_bad in zip(sources, bad, strict=True):
