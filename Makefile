@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-fast test-dist test-engine smoke-test lint fmt clean
+.PHONY: install test test-fast test-dist test-engine test-gpu smoke-test lint fmt clean
 
 $(STAMP): pyproject.toml uv.lock
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
@@ -23,13 +23,17 @@ test: install
 
 # Pure unit tests: seconds, no process groups, no engine.
 test-fast: install
-	$(PY) -m pytest -q -m "not dist and not engine"
+	$(PY) -m pytest -q -m "not dist and not engine and not gpu"
 
 test-dist: install
 	$(PY) -m pytest -q -m dist
 
 test-engine: install
 	$(PY) -m pytest -q -m engine
+
+# The accelerator tier: bf16 parity, sleep/wake memory, weight-sync bandwidth (skipped without CUDA).
+test-gpu: install
+	$(PY) -m pytest -q -rs -s -m gpu
 
 # The main job on the built-in tiny default: 2 ranks under torchrun on this machine.
 smoke-test: install

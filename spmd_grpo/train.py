@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from .versions import VersionError, check_versions
+
+    try:
+        check_versions()
+    except VersionError as e:
+        print(f"version error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     from .trainer import run
 
     run(cfg)

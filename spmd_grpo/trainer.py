@@ -83,7 +83,9 @@ class Trainer:
             max_pixels=d.max_pixels,
         )
         shard = dict(rank=world.rank, world_size=world.world_size, all_gather=D.all_gather_objects)
-        self.dataset = load_dataset(d, self.processor, "train", **shard)  # rows checked once, split over ranks
+        self.dataset = load_dataset(
+            d, self.processor, "train", **shard
+        )  # rows checked once, split over ranks
         self.val_examples = load_dataset(d, self.processor, "val", **shard) if d.val_files else []
         if d.val_max_samples > 0:
             self.val_examples = self.val_examples[: d.val_max_samples]
@@ -373,5 +375,17 @@ def run(cfg: Config) -> None:
         level=logging.INFO if world.is_main else logging.WARNING,
         format=f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if world.is_main:
+        from .versions import check_versions, version_line
+
+        log.info(
+            "%s; device %s, backend %s, world %d",
+            version_line(),
+            world.device_type,
+            world.backend,
+            world.world_size,
+        )
+        for problem in check_versions():  # only with SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1
+            log.warning("untested: %s", problem)
     D.seed_everything(cfg.trainer.seed)
     Trainer(cfg, world).train()

@@ -52,10 +52,19 @@ def make_prompts(processor, rank: int, per_rank: int) -> list[Prompt]:
 
 
 def trainer_logprobs(policy, samples, pad_id: int) -> list[list[float]]:
-    batch = collate_samples(samples, pad_id)
+    batch = collate_samples(samples, pad_id, next(policy.parameters()).device)
     with torch.no_grad():
         lp, _ = policy(batch)
     return [lp[i, : len(s.response_ids)].tolist() for i, s in enumerate(samples)]
+
+
+def mean_diff(samples, trainer_lps) -> float:
+    diffs = [
+        abs(a - b)
+        for s, t in zip(samples, trainer_lps, strict=True)
+        for a, b in zip(s.rollout_logprobs, t, strict=True)
+    ]
+    return sum(diffs) / max(1, len(diffs))
 
 
 def max_diff(samples, trainer_lps) -> float:
@@ -75,27 +84,30 @@ def main() -> None:
     ap.add_argument("out_json")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--prompts-per-rank", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu here; cuda/npu in the gpu tier (tests/gpu)")
+    ap.add_argument("--dtype", default="float32", help="trainer compute and rollout dtype")
     args = ap.parse_args()
 
     from transformers import AutoProcessor
 
-    world = init_distributed("cpu")
+    world = init_distributed(args.device)
+    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     tp_group = new_tp_groups(world, args.tp)
     processor = AutoProcessor.from_pretrained(args.model_dir)
-    actor = ActorConfig(model=ModelConfig(model_path=args.model_dir), fsdp=FSDPConfig(param_dtype="float32"))
+    actor = ActorConfig(model=ModelConfig(model_path=args.model_dir), fsdp=FSDPConfig(param_dtype=args.dtype))
     policy = build_policy(actor, world)
     tie = bool(policy.config.tie_word_embeddings)
     # 1 MiB buckets: the tiny model's push spans several buckets.
     rollout_cfg = RolloutConfig(
-        tensor_parallel_size=args.tp, dtype="float32", limit_images=2, weight_sync_bucket_mb=1
+        tensor_parallel_size=args.tp, dtype=args.dtype, limit_images=2, weight_sync_bucket_mb=1
     )
     engine = RolloutEngine(
         args.model_dir,
         rollout_cfg,
         world,
         max_model_len=1024,
-        dtype=torch.float32,
+        dtype=dtype,
         min_pixels=3136,
         max_pixels=262144,
         seed=0,
@@ -124,7 +136,7 @@ def main() -> None:
     optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-2)
 
     def update_and_compare(samples, step: int, push: bool) -> tuple[float, float]:
-        batch = collate_samples(samples, pad_id)
+        batch = collate_samples(samples, pad_id, next(policy.parameters()).device)
         optim.zero_grad()
         lp, _ = policy(batch)
         (-(lp * batch.response_mask).sum() / batch.response_mask.sum()).backward()
@@ -146,9 +158,13 @@ def main() -> None:
         with torch.no_grad():
             for p, new in zip(policy.parameters(), new_shards, strict=True):
                 p.to_local().copy_(new)
+        means.update(new=mean_diff(after, new_lps), old=mean_diff(after, old_lps))
         return max_diff(after, new_lps), max_diff(after, old_lps), after
 
+    means: dict[str, float] = {}
     new_diff, old_diff, s2 = update_and_compare(s1, step=1, push=True)
+    new_mean, old_mean = means["new"], means["old"]
+    sync_seconds = engine.stats.last_sync_s
     nosync_new, nosync_old, _ = update_and_compare(s2, step=2, push=False)
 
     group = [s for _, s in generate_for_group(engine, prompts, sampling, step=3, tp_group=tp_group)]
@@ -162,6 +178,9 @@ def main() -> None:
         "old_diff_max": old_diff,
         "nosync_new_diff_max": nosync_new,
         "nosync_old_diff_max": nosync_old,
+        "new_diff_mean": new_mean,
+        "old_diff_mean": old_mean,
+        "sync_seconds": sync_seconds,
         "num_response_tokens": sum(len(s.response_ids) for s in s2),
         "own_uids": sorted({s.prompt.uid for s in s2}),
         "my_prompt_uids": [p.uid for p in prompts],

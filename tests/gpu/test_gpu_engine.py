@@ -1,0 +1,41 @@
+"""The accelerator tier (`make test-gpu`): what only a CUDA device can show. Skipped here (CPU only).
+
+* parity in bf16: after an update and a push, vLLM's per-token logprobs match the trainer's to bf16
+  rounding, and are much closer to the new weights than to the old ones (the staleness control);
+* sleep / wake: sleep level 2 gives back what vLLM reserved, and after wake + push the engine samples the
+  same greedy tokens as before sleeping;
+* weight sync bandwidth: one push of every weight, bytes / seconds, printed.
+Never run by this project so far (no GPU was available): the thresholds are first estimates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import torchrun
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)"),
+]
+
+
+def test_parity_in_bf16_after_update(tiny_untied, tmp_path):
+    job = ["tests/jobs/engine_parity.py", str(tiny_untied), str(tmp_path / "out.json")]
+    torchrun([*job, "--device", "cuda", "--dtype", "bfloat16"], nproc=1)
+    r = json.loads((tmp_path / "out.rank0.json").read_text())
+    print({k: v for k, v in r.items() if k != "group_outputs"})
+    assert r["new_diff_mean"] < 0.05 and r["new_diff_mean"] * 5 < r["old_diff_mean"], r
+    assert r["nosync_new_diff_max"] > r["nosync_old_diff_max"], r
+
+
+def test_sleep_frees_memory_and_wake_restores_the_policy(tiny_untied, tmp_path):
+    torchrun(["tests/jobs/gpu_sleep.py", str(tiny_untied), str(tmp_path / "sleep.json")], nproc=1)
+    r = json.loads((tmp_path / "sleep.json").read_text())
+    print(r)
+    assert r["freed_gb"] > 0.8 * r["reserved_gb"], r
+    assert r["tokens_after_wake"] == r["tokens_before_sleep"], r
+    assert r["push_gb_per_s"] > 0.5, r  # the weight-sync bandwidth, printed above

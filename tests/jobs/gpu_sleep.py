@@ -1,0 +1,55 @@
+"""torchrun job (CUDA): vLLM sleep level 2 frees its memory; wake + push restores the policy's samples.
+
+torchrun --nproc_per_node 1 tests/jobs/gpu_sleep.py MODEL_DIR OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
+from spmd_grpo.distributed import init_distributed
+from spmd_grpo.engine import RolloutEngine
+from spmd_grpo.model import build_policy
+from spmd_grpo.rollout import Prompt, SamplingConfig, generate
+from tests.jobs.common import run_job
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1], sys.argv[2]
+    world = init_distributed("cuda")
+    actor = ActorConfig(model=ModelConfig(model_path=model_dir), fsdp=FSDPConfig(param_dtype="bfloat16"))
+    policy = build_policy(actor, world)
+    rollout_cfg = RolloutConfig(dtype="bfloat16", gpu_memory_utilization=0.3, sleep_level=2)
+    engine = RolloutEngine(
+        model_dir, rollout_cfg, world, max_model_len=512, dtype=torch.bfloat16, min_pixels=3136,
+        max_pixels=262144, seed=0, tie_word_embeddings=bool(policy.config.tie_word_embeddings),
+    )  # fmt: skip
+    prompts = [Prompt(uid=0, prompt_token_ids=[1, 2, 3, 4, 5])]
+    greedy = SamplingConfig(n=1, temperature=1e-5, top_p=1.0, top_k=1, max_tokens=8, seed=0)
+    with engine.rollout_mode(policy, 0):
+        before = generate(engine, prompts, greedy, step=0)[0].response_ids
+        free_awake = torch.cuda.mem_get_info()[0]
+    push_bytes, push_s = engine.stats.last_sync_bytes, engine.stats.last_sync_s
+    free_asleep = torch.cuda.mem_get_info()[0]
+    with engine.rollout_mode(policy, 0):  # level 2 dropped the weights: full push again
+        after = generate(engine, prompts, greedy, step=0)[0].response_ids
+    result = {
+        "reserved_gb": rollout_cfg.gpu_memory_utilization
+        * torch.cuda.get_device_properties(0).total_memory
+        / 1e9,
+        "freed_gb": (free_asleep - free_awake) / 1e9,
+        "tokens_before_sleep": before,
+        "tokens_after_wake": after,
+        "push_gb_per_s": push_bytes / max(push_s, 1e-9) / 1e9,
+    }
+    Path(out).write_text(json.dumps(result))
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    run_job(main)

@@ -1,0 +1,64 @@
+"""The stack's versions: the installed (tested) one passes; anything outside the range stops the CLI with one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from spmd_grpo.versions import SUPPORTED, VersionError, check_versions, installed_versions, version_line
+from tests.conftest import REPO
+
+GOOD = {"torch": "2.13.0", "transformers": "5.19.0", "vllm": "0.32.0"}
+
+
+def test_installed_stack_is_in_range():
+    found = installed_versions()
+    assert set(SUPPORTED) <= set(found) and all(found[k] for k in SUPPORTED), found
+    assert check_versions(found) == []
+    assert version_line(found).startswith("versions: torch ")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"vllm": "0.11.0"}, "vllm 0.11.0 is outside the tested range >=0.32,<0.33"),
+        ({"vllm": "0.33.1"}, "vllm 0.33.1 is outside the tested range >=0.32,<0.33"),
+        ({"torch": "2.12.0+cu128"}, "torch 2.12.0+cu128 is outside the tested range >=2.13,<2.14"),
+        ({"transformers": None}, "transformers is not installed"),
+        ({"vllm-ascend": "0.31.0"}, "vllm-ascend 0.31.0 does not match vllm 0.32.0"),
+    ],
+)
+def test_out_of_range_is_one_line(change, message, monkeypatch):
+    monkeypatch.delenv("SPMD_GRPO_ALLOW_UNTESTED_VERSIONS", raising=False)
+    with pytest.raises(VersionError) as e:
+        check_versions({**GOOD, **change})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_local_builds_of_a_tested_version_pass():
+    assert check_versions({**GOOD, "torch": "2.13.0+cpu", "vllm": "0.32.0.post1"}) == []
+
+
+def test_override_turns_the_error_into_a_warning(monkeypatch):
+    monkeypatch.setenv("SPMD_GRPO_ALLOW_UNTESTED_VERSIONS", "1")
+    assert check_versions({**GOOD, "vllm": "0.40.0"}) == [
+        "vllm 0.40.0 is outside the tested range >=0.32,<0.33"
+    ]
+
+
+def test_cli_stops_before_any_work(tmp_path):
+    """A fake `vllm` distribution of another version, first on the path: exit 2, one line, no traceback."""
+    dist = tmp_path / "vllm-0.11.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.11.0\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "spmd_grpo.train", "configs/smoke.yaml", "worker.actor.model.model_path=/x"],
+        cwd=REPO, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "version error: vllm 0.11.0 is outside the tested range >=0.32,<0.33 "
+        "(see spmd_grpo/versions.py; SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1 to try anyway)"
+    ]
