@@ -45,6 +45,7 @@ from memtools import HeapSampler, MiB, proc_mem, release_free_memory, reset_peak
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO / ".cache" / "bench_load_model"
+ENGINES: list = []
 # head_dim 64 (vLLM CPU attention needs 32 or 64, so the same model serves engine benchmarks).
 BENCH_SPEC = dict(
     hidden_size=1024,
@@ -141,8 +142,7 @@ def measure(actor, world, baseline: bool, with_engine: bool = False) -> dict:
         models_peak = proc_mem()["VmHWM"] - before
         if with_engine:
             heap.where = "engine"
-            engine = build_engine(actor, world, policy)
-            engine.shutdown()
+            ENGINES.append(build_engine(actor, world, policy))  # shut down last: it ends the process group
     seconds = time.perf_counter() - t0
     mem = proc_mem()
     held = sum(p.to_local().numel() * p.element_size() for m in (policy, reference) for p in m.parameters())
@@ -248,7 +248,10 @@ def main() -> None:
             sizes = [2000, 20000]
             print(data_memory.report(data_memory.run_benchmark(sizes), sizes, 16), flush=True)
     dist.barrier()
-    dist.destroy_process_group()
+    for engine in ENGINES:
+        engine.shutdown()  # vLLM's teardown destroys the default process group too
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
