@@ -77,10 +77,10 @@ class Trainer:
 
         self.cfg, self.world, self.state = cfg, world, RunState()
         d, actor = cfg.data, cfg.worker.actor
+        # `size`: transformers replays min_pixels/max_pixels given here as deprecated per-call kwargs.
         self.processor = AutoProcessor.from_pretrained(
             actor.model.tokenizer_path or actor.model.model_path,
-            min_pixels=d.min_pixels,
-            max_pixels=d.max_pixels,
+            size={"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels},
         )
         self.dataset = load_dataset(d, self.processor, "train")
         self.val_examples = load_dataset(d, self.processor, "val") if d.val_files else []
@@ -359,10 +359,19 @@ def run(cfg: Config) -> None:
     """Train `cfg` on this rank (the process group is created here, after the config was validated)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
-    logging.basicConfig(
-        level=logging.INFO if world.is_main else logging.WARNING,
-        format=f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _setup_logging(cfg, world)
     D.seed_everything(cfg.trainer.seed)
     Trainer(cfg, world).train()
 
+
+def _setup_logging(cfg: Config, world: D.World) -> None:
+    """Console: INFO on rank 0, warnings elsewhere; every rank's INFO also goes to
+    `<run_dir>/logs/rank<r>.log` (vLLM logs through its own handler, to the console only)."""
+    fmt = logging.Formatter(f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    console = logging.StreamHandler()
+    console.setLevel(logging.INFO if world.is_main else logging.WARNING)
+    (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(cfg.run_dir / "logs" / f"rank{world.rank}.log")
+    for handler in (console, to_file):
+        handler.setFormatter(fmt)
+    logging.basicConfig(level=logging.INFO, handlers=[console, to_file])
