@@ -262,7 +262,8 @@ def test_wandb_offline_run_dir_holds_the_history(tmp_path, monkeypatch):
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
             items = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
             }
             history[items["_step"]] = items
         elif record.WhichOneof("record_type") == "run":
