@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -322,10 +323,21 @@ class WorkerConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
 
 
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab", "mlflow": "mlflow"}
+"""The optional loggers: the module each needs; the package extra that installs it has the logger's name."""
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     project_name: str = "spmd_grpo"
+    """The project (wandb, swanlab) or experiment (mlflow) the run is logged under."""
     experiment_name: str = "run"
+    """The run's name in the trackers, and its directory under output_dir."""
+    logger: tuple[LoggerName, ...] = ("console", "jsonl")
+    """Where rank 0 sends each step's metrics (verl's names): console (one line per step), jsonl
+    (metrics.jsonl + val_generations.jsonl, what `python -m spmd_grpo.report` plots), tensorboard, wandb,
+    swanlab, mlflow (each an optional extra: `pip install 'spmd_grpo[wandb]'`)."""
     output_dir: str = "runs"
     """The run's files go to output_dir/experiment_name."""
     total_epochs: int = 1
@@ -347,6 +359,16 @@ class TrainerConfig:
 
     def check(self, prefix: str) -> None:
         _require_positive(self, prefix, "total_epochs")
+        _require(
+            len(set(self.logger)) == len(self.logger), f"{prefix}logger lists a logger twice: {self.logger}"
+        )
+        for name in self.logger:
+            module = LOGGER_PACKAGES.get(name)
+            # find_spec only looks the package up: nothing heavy is imported at config time.
+            _require(
+                module is None or importlib.util.find_spec(module) is not None,
+                f"{prefix}logger: {name!r} needs the {module} package: pip install 'spmd_grpo[{name}]'",
+            )
 
 
 @dataclass(frozen=True)
@@ -455,6 +477,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in args:
             raise ConfigError(f"{key}: must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_coerce(args[0], v, key) for v in value)
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")

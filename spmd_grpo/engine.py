@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -85,6 +86,39 @@ def _make_suppress_processor():
             return logits
 
     return SuppressVisionTokens
+
+
+class _DropVllmNoise(logging.Filter):
+    """Drops two vLLM warnings that are about vLLM's own internals, not this run, and would flood the console.
+
+    * "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it." vLLM's CPU
+      worker replaces `torch.set_num_threads` with a stub that logs this (the OpenMP threads are already
+      bound to cores), and vLLM's multimodal renderer calls `torch.set_num_threads` twice around every
+      request's image processing. With the engine in the trainer's process every request hits the stub: a
+      smoke run logged ~120,000 of these. The calls are meant to be skipped, nothing is lost.
+    * "<X>RotaryEmbedding: Failed to load weights", at every weight push. A rotary layer's only tensor is
+      `cos_sin_cache`, a non-persistent buffer computed from the config, never part of a checkpoint or a
+      push; vLLM's layerwise reload then puts the existing cache back (its fallback right after the warning).
+      The same warning for any other layer, a real missing weight, still shows.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("CPU backend doesn't allow to use `torch.set_num_threads`"):
+            return False
+        rotary = bool(record.args) and str(record.args[0]).endswith("RotaryEmbedding")
+        return not (message == "%s: Failed to load weights" and rotary)
+
+
+def _quiet_vllm() -> None:
+    """Install `_DropVllmNoise` on the two vLLM loggers, and ignore the FutureWarning about
+    `torch.distributed.reduce_op` that vLLM's kernel registration raises by probing every module attribute
+    (vLLM's scan, not a call of ours). Idempotent."""
+    for name in ("vllm.v1.worker.cpu_worker", "vllm.model_executor.model_loader.reload.layerwise"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropVllmNoise) for f in logger.filters):
+            logger.addFilter(_DropVllmNoise())
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)
 
 
 NO_WEIGHTS = -1  # `EngineStats.synced_version` when the engine holds none of the policy's weights
@@ -130,6 +164,7 @@ class RolloutEngine:
     ) -> None:
         from vllm import LLM
 
+        _quiet_vllm()
         self.cfg, self.world, self.dtype = cfg, world, dtype
         self.tie_word_embeddings = tie_word_embeddings
         self.tp = cfg.tensor_parallel_size
@@ -156,7 +191,8 @@ class RolloutEngine:
             max_num_seqs=cfg.max_num_seqs,
             enable_chunked_prefill=False,
             limit_mm_per_prompt={"image": cfg.limit_images, "video": 0},
-            mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+            # `size`, not min_pixels/max_pixels: transformers deprecates those as per-call processor kwargs.
+            mm_processor_kwargs={"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
             logprobs_mode="processed_logprobs",
             logits_processors=[_make_suppress_processor()],
             **_host_side_image_normalisation(),

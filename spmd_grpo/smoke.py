@@ -2,7 +2,8 @@
 
 Builds (once, cached under .cache/) a tiny random Qwen2.5-VL, runs
     torchrun --nproc_per_node 2 -m spmd_grpo.train configs/smoke.yaml worker.actor.model.model_path=<tiny> ...
-and prints the mean reward over the steps from the run's metrics.jsonl. Exits non-zero if the run fails or
+prints the mean reward over the steps from the run's metrics.jsonl and writes the curves (`spmd_grpo.report`)
+to <run dir>/report.png, printing its path. Exits non-zero if the run fails or
 the final mean reward (mean over the last 5 steps) is below 0.8: if weight sync, the advantage sign or the
 loss were wrong, the reward would not rise.
 
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from .config import load_config
+from .report import write_report
 from .tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,11 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smoke run failed with exit code {code} after {elapsed:.0f} s", file=sys.stderr)
         return code
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    return report(
+    code = report(
         [r for r in rows if r["step"] > 0],
         [r for r in rows if any(k.startswith("val-core/") for k in r)],
         elapsed,
     )
+    png, _ = write_report(cfg.run_dir)
+    print(f"curves: {png.resolve()}")
+    return code
 
 
 def report(rows: list[dict], val_rows: list[dict], elapsed: float) -> int:

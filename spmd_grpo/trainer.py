@@ -12,7 +12,7 @@ One step of `Trainer.train`, each line one call:
     validate      when due, inside rollout_mode: the weight sync of the new version happens here, or at the
                   next step's rollout (it needs the wake sequence, so it is never a separate phase)
     checkpoint    every save_freq steps, at the end, and when a signal asked to stop
-    log           metrics.jsonl and one console line
+    log           every logger of trainer.logger (console line, metrics.jsonl, tensorboard, wandb, ...)
 
 Run state that changes as training goes on lives in one `RunState` (step, policy version, stop signal)
 plus the prompt sampler's position; both are what a checkpoint restores.
@@ -46,7 +46,8 @@ from .config import Config, dump_yaml
 from .data import load_dataset
 from .dynamic_sampling import collect_groups
 from .engine import RolloutEngine
-from .metrics import MetricsWriter, Timer, console_line, perf_metrics, sample_metrics
+from .loggers import Loggers, build_loggers
+from .metrics import Timer, perf_metrics, sample_metrics
 from .model import build_optimizer, build_policy, build_reference, resolve_dtype
 from .reward import load_reward_function, overlong_penalty, score_samples
 from .rollout import Prompt, Sample, SamplingConfig, attach_pixel_values, generate
@@ -70,17 +71,17 @@ class RunState:
 
 
 class Trainer:
-    """Everything one rank holds for a run: data, policy, optimizer, reference, engine, writer, state."""
+    """Everything one rank holds for a run: data, policy, optimizer, reference, engine, loggers, state."""
 
     def __init__(self, cfg: Config, world: D.World) -> None:
         from transformers import AutoProcessor
 
         self.cfg, self.world, self.state = cfg, world, RunState()
         d, actor = cfg.data, cfg.worker.actor
+        # `size`: transformers replays min_pixels/max_pixels given here as deprecated per-call kwargs.
         self.processor = AutoProcessor.from_pretrained(
             actor.model.tokenizer_path or actor.model.model_path,
-            min_pixels=d.min_pixels,
-            max_pixels=d.max_pixels,
+            size={"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels},
         )
         shard = dict(rank=world.rank, world_size=world.world_size, all_gather=D.all_gather_objects)
         self.dataset = load_dataset(
@@ -108,8 +109,7 @@ class Trainer:
         self.spec = UpdateSpec.from_config(
             cfg, world_size=world.world_size, pad_token_id=self.processor.tokenizer.pad_token_id
         )
-        self.writer = MetricsWriter(cfg.run_dir, world.is_main)
-        self.bar = None
+        self.loggers = Loggers([])  # made in `_start`, after resume (they start after the resumed step)
 
     def _build_engine(self) -> RolloutEngine:
         d, rollout = self.cfg.data, self.cfg.worker.rollout
@@ -199,6 +199,9 @@ class Trainer:
                 "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
             )
         self.resume()
+        self.loggers = build_loggers(
+            self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
+        )
         # SIGTERM/SIGINT (Slurm preemption, Ctrl-C): finish the step, save, exit non-zero. All ranks agree on
         # the stop at the step boundary (a collective), so they save together.
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,17 +209,12 @@ class Trainer:
         if self.state.step == 0 and self._validation_due(0):
             timer = Timer(self.world.device_type)
             self.write_metrics(0, timer, self.validate(0, timer))
-        if self.world.is_main:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total_steps, initial=self.state.step, desc="grpo", dynamic_ncols=True)
 
     def _on_signal(self, signum: int, frame) -> None:
         self.state.stop_signal = signum
 
     def _finish(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.loggers.close()
         D.barrier()
         self.engine.shutdown()
         D.destroy()
@@ -305,7 +303,7 @@ class Trainer:
                 sampling=self.val_sampling,
                 world=self.world,
                 tp_group=self.tp_group,
-                run_dir=self.cfg.run_dir,
+                log_generations=self.loggers.log_table,
                 num_logged=self.cfg.trainer.val_generations_to_log,
             )
 
@@ -344,23 +342,13 @@ class Trainer:
         saved = load_checkpoint(checkpoint, policy=self.policy, optim=self.optim, world=self.world)
         self.sampler.load_state_dict(saved["sampler"])
         self.state.step, self.state.version = saved["step"], saved["version"]
-        if self.writer.rollback(saved["step"]):
-            log.warning(
-                "metrics of steps after %d moved to metrics.rolledback.jsonl: they are redone", saved["step"]
-            )
 
     def write_metrics(self, step: int, timer: Timer, m: dict[str, float]) -> None:
-        """Write the step's metrics (global over ranks; collective) and, on rank 0, the console line."""
+        """The step's metrics (global over ranks; collective) to the loggers (rank 0 has them)."""
         m = {**timer.metrics(), **m}
         if step > 0:
             m.update(perf_metrics(m, self.world.device_type, self.world.world_size))
-        self.writer.write(step, m)
-        if self.bar is not None:
-            self.bar.update(1)
-            if step % self.cfg.trainer.log_every == 0 or step == self.total_steps:
-                self.bar.write(console_line(step, self.total_steps, m))
-        elif self.world.is_main and step == 0:
-            log.info(console_line(0, self.total_steps, m))
+        self.loggers.log(step, m)
 
     def _log_memory(self, phase: str) -> None:
         if self.cfg.trainer.log_memory:
@@ -371,10 +359,7 @@ def run(cfg: Config) -> None:
     """Train `cfg` on this rank (the process group is created here, after the config was validated)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
-    logging.basicConfig(
-        level=logging.INFO if world.is_main else logging.WARNING,
-        format=f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _setup_logging(cfg, world)
     if world.is_main:
         from .versions import check_versions, version_line
 
@@ -389,3 +374,16 @@ def run(cfg: Config) -> None:
             log.warning("untested: %s", problem)
     D.seed_everything(cfg.trainer.seed)
     Trainer(cfg, world).train()
+
+
+def _setup_logging(cfg: Config, world: D.World) -> None:
+    """Console: INFO on rank 0, warnings elsewhere; every rank's INFO also goes to
+    `<run_dir>/logs/rank<r>.log` (vLLM logs through its own handler, to the console only)."""
+    fmt = logging.Formatter(f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    console = logging.StreamHandler()
+    console.setLevel(logging.INFO if world.is_main else logging.WARNING)
+    (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(cfg.run_dir / "logs" / f"rank{world.rank}.log")
+    for handler in (console, to_file):
+        handler.setFormatter(fmt)
+    logging.basicConfig(level=logging.INFO, handlers=[console, to_file])

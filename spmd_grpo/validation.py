@@ -7,14 +7,15 @@ Metrics (global over ranks), N = `worker.rollout.val_override.n` samples per pro
 Sampling uses `worker.rollout.val_override` (verl: temperature 0.6, top_p 0.95, n 1 in the geo3k recipes)
 with its own per-request seeds (`VAL_SEED_OFFSET`), so validation never consumes or shifts the training
 samples' randomness. Each rank validates a strided share of the set (rank r takes examples r, r + world,
-...). A few generations are appended to `<run_dir>/val_generations.jsonl` by rank 0. The caller holds the
-engine in `rollout_mode` around `validate`.
+...). The first `num_logged` generations (over ranks, in rank order) go to `log_generations(step, rows)` on
+rank 0 (the loggers' tables: val_generations.jsonl, wandb, ...). The caller holds the engine in
+`rollout_mode` around `validate`.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def validate(
     sampling: SamplingConfig,
     world: World,
     tp_group=None,
-    run_dir: Path,
+    log_generations: Callable[[int, list[dict[str, Any]]], None],
     num_logged: int,
 ) -> dict[str, float]:
     """Generate and score this rank's share of `examples`; returns the global metrics (collective)."""
@@ -58,9 +59,9 @@ def validate(
         batch_name=f"validation at step {step}, rank {world.rank}",
     )
     metrics = _metrics(samples, rewards, sampling.n)
-    _log_generations(
-        samples, rewards, step=step, world=world, path=run_dir / "val_generations.jsonl", num=num_logged
-    )
+    rows = _generations(samples, rewards, num_logged)
+    if world.is_main and rows:
+        log_generations(step, rows)
     return metrics
 
 
@@ -88,14 +89,11 @@ def _metrics(samples: list[Sample], rewards: dict[str, torch.Tensor], n: int) ->
     return global_means(sums)
 
 
-def _log_generations(
-    samples: list[Sample], rewards: dict[str, torch.Tensor], *, step: int, world: World, path: Path, num: int
-) -> None:
-    """Rank 0 appends the first `num` generations (over ranks, in rank order) to `path`; collective."""
+def _generations(samples: list[Sample], rewards: dict[str, torch.Tensor], num: int) -> list[dict[str, Any]]:
+    """The first `num` generations over ranks, in rank order (the same list on every rank; collective)."""
     logged = all_gather_objects(
         [
             {
-                "step": step,
                 "data_source": s.prompt.extra["data_source"],
                 "problem": s.prompt.extra["problem"],
                 "response": s.response_text,
@@ -105,8 +103,4 @@ def _log_generations(
             for i, s in enumerate(samples[:num])
         ]
     )
-    if world.is_main and num > 0:
-        rows = [row for part in logged for row in part][:num]
-        with path.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    return [row for part in logged for row in part][:num] if num > 0 else []

@@ -1,7 +1,8 @@
 """The real training entry point for a few steps: 2 ranks, torchrun, FSDP2, vLLM, reference model, validation.
 
 Checks the run directory a user gets (resolved config, metrics.jsonl with every verl-named metric, validation
-generations), not learning (that is `make smoke-test`).
+generations, the same metrics in tensorboard event files) and the console (one line per step, none of the
+warnings vLLM used to repeat per request or per weight push), not learning (that is `make smoke-test`).
 """
 
 import json
@@ -60,7 +61,7 @@ REQUIRED = (
 
 
 def test_three_steps_write_every_metric(tiny_untied, tmp_path):
-    torchrun(
+    proc = torchrun(
         [
             "-m",
             "spmd_grpo.train",
@@ -79,6 +80,7 @@ def test_three_steps_write_every_metric(tiny_untied, tmp_path):
             "worker.actor.model.freeze_vision_tower=true",
             "worker.actor.model.enable_gradient_checkpointing=true",
             "worker.actor.micro_batch_size_per_device_for_update=4",
+            "trainer.logger=[console,jsonl,tensorboard]",
         ]
     )
     run = tmp_path / "loop"
@@ -98,3 +100,33 @@ def test_three_steps_write_every_metric(tiny_untied, tmp_path):
     assert cfg["trainer"]["max_steps"] == 3 and cfg["worker"]["rollout"]["n"] == 4
     generations = [json.loads(line) for line in (run / "val_generations.jsonl").read_text().splitlines()]
     assert generations and {"step", "response", "ground_truth", "score"} <= set(generations[0])
+    _check_tensorboard(run, rows)
+    _check_console(proc.stdout + proc.stderr)
+
+
+def _check_tensorboard(run, rows):
+    """The event files hold every verl-named metric of metrics.jsonl, at the same steps and values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(REQUIRED) <= tags, set(REQUIRED) - tags
+    assert {"val-core/color/acc/mean@1", "val/reward/overall", "timing_s/testing"} <= tags
+    for name in ("critic/score/mean", "actor/kl_loss", "timing_s/step"):
+        logged = [(e.step, e.value) for e in events.Scalars(name)]
+        assert logged == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in rows if name in r]
+    assert events.Tags()["tensors"]  # the validation generations as a text table
+
+
+def _check_console(output):
+    """One line per step on the console, and none of the lines that used to repeat by the thousand."""
+    for noise in (
+        "`torch.set_num_threads` after the thread binding",  # vLLM CPU worker, per request
+        "RotaryEmbedding: Failed to load weights",  # vLLM layerwise reload, per weight push
+        "Passing `min_pixels` and `max_pixels` to a processor call is deprecated",  # transformers
+        "`torch.distributed.reduce_op` is deprecated",  # vLLM kernel registration
+    ):
+        assert noise not in output, noise
+    for step in range(4):
+        assert sum(line.startswith(f"step {step}/3 |") for line in output.splitlines()) == 1, step

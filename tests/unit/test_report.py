@@ -1,0 +1,108 @@
+"""`python -m spmd_grpo.report RUN_DIR`: the PNG and the summary from a metrics.jsonl written here, also while
+the run is still writing it (a partial last line), and clear failures when there is nothing to plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd_grpo.report import PANELS, main, read_metrics, series, write_report
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _row(step: int) -> dict:
+    return {
+        "step": step,
+        "critic/score/mean": 0.1 + 0.08 * step,
+        "response_length/mean": 4.0 - 0.1 * step,
+        "response_length/max": 4.0,
+        "response_length/min": 3.0,
+        "actor/kl_loss": 1e-3 * step,
+        "actor/ppo_kl": 0.0,
+        "actor/entropy": 6.2 - 0.3 * step,
+        "actor/pg_clipfrac": 0.01,
+        "actor/pg_clipfrac_lower": 0.0,
+        "rollout/logprob_diff_mean": 1e-7,
+        "rollout/logprob_diff_max": 1e-6 * step,
+        "timing_s/step": 1.0 + 0.1 * step,
+        "timing_s/gen": 0.5,
+        "timing_s/update_actor": 0.3,
+    }
+
+
+def _write_run(run_dir: Path, steps: int, tail: str = "") -> Path:
+    """metrics.jsonl as the jsonl logger writes it: validation at steps 0 and `steps`, `tail` appended raw."""
+    run_dir.mkdir(parents=True)
+    rows = [{"step": 0, "val-core/color/acc/mean@1": 0.05, "timing_s/testing": 2.0}]
+    rows += [_row(s) for s in range(1, steps + 1)]
+    rows[-1]["val-core/color/acc/mean@1"] = 0.9
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    return run_dir
+
+
+def test_report_while_the_run_is_still_writing(tmp_path):
+    run = _write_run(tmp_path / "run", 10, tail='{"step": 11, "critic/score/mea')
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(11))  # the half-written step 11 is left out
+    png, lines = write_report(run)
+    assert png == run / "report.png" and png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 20_000
+    assert lines == [
+        "10 training steps logged (last step 10)",
+        "reward (critic/score/mean): first 5 steps 0.340 -> last 5 steps 0.740",
+        "val-core/color/acc/mean@1: step 0 0.050 -> step 10 0.900",
+        "response length (last step): 3.0",
+        "KL (last step): 1.00e-02",
+        "entropy (last step): 3.200",
+        "logprob gap trainer vs vLLM: max over steps 1.0e-05",
+        "step time: median 1.55 s, total 16 s",
+    ]
+
+
+def test_every_panel_has_its_metrics_in_a_trainer_row(tmp_path):
+    rows = read_metrics(_write_run(tmp_path / "run", 3) / "metrics.jsonl")
+    for title, names, _ in PANELS:
+        assert any(series(rows, name) for name in names), title
+
+
+def test_repeated_steps_keep_the_last_row_and_a_bad_middle_line_is_an_error(tmp_path):
+    run = _write_run(tmp_path / "run", 3, tail=json.dumps({**_row(3), "critic/score/mean": 0.5}) + "\n")
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[-1]["critic/score/mean"] == 0.5
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], "{broken", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+        read_metrics(run / "metrics.jsonl")
+
+
+def test_cli_prints_the_summary_and_the_plot_path(tmp_path):
+    run = _write_run(tmp_path / "run", 4)
+    out = tmp_path / "elsewhere" / "curves.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spmd_grpo.report", str(run), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == f"run {run}:"
+    assert proc.stdout.splitlines()[-1] == f"plot: {out}"
+    assert "  reward (critic/score/mean): first 5 steps" in proc.stdout
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_nothing_to_plot_yet(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 1
+    assert "metrics.jsonl" in capsys.readouterr().out
+    run = tmp_path / "starting"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "val-co')
+    assert main([str(run)]) == 1
+    assert capsys.readouterr().out == f"report: {run / 'metrics.jsonl'}: no complete step yet\n"
+    assert not (run / "report.png").exists()
