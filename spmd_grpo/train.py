@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from .config import ConfigError, env_world_size, load_config, validate
+from .versions import VersionError, check_versions
 
 DRY_RUN_OPTIONS = ("--nnodes", "--nproc-per-node", "--device-memory-gb")
 
@@ -54,15 +55,10 @@ def main(argv: list[str] | None = None) -> None:
             print(plan(cfg, nnodes, nproc, dry_run.get("device_memory_gb", 80)))
             return
         validate(cfg, env_world_size())
-    except (ConfigError, ValueError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    from .versions import VersionError, check_versions
-
-    try:
         check_versions()
-    except VersionError as e:
-        print(f"version error: {e}", file=sys.stderr)
+    except (ConfigError, ValueError, VersionError) as e:
+        kind = "version" if isinstance(e, VersionError) else "config"
+        print(f"{kind} error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     from .trainer import run
 

@@ -290,12 +290,17 @@ class _Recorder(types.ModuleType):
         return lambda *args, **kwargs: self.calls.append((attr, args, kwargs)) or (attr, args, kwargs)
 
 
-def test_swanlab_calls(tmp_path, monkeypatch):
-    swanlab = _Recorder("swanlab")
-    monkeypatch.setitem(sys.modules, "swanlab", swanlab)
-    cfg, loggers = _loggers(tmp_path, "swanlab")
+def _recorded_run(tmp_path, monkeypatch, name: str):
+    """Log the test steps through logger `name`, whose package is a recorder: (recorder, cfg, call names)."""
+    recorder = _Recorder(name)
+    monkeypatch.setitem(sys.modules, name, recorder)
+    cfg, loggers = _loggers(tmp_path, name)
     _log_steps(loggers)
-    names = [c[0] for c in swanlab.calls]
+    return recorder, cfg, [c[0] for c in recorder.calls]
+
+
+def test_swanlab_calls(tmp_path, monkeypatch):
+    swanlab, cfg, names = _recorded_run(tmp_path, monkeypatch, "swanlab")
     assert names == ["init", "log", "log", "log", "Text", "Text", "log", "finish"]
     init = swanlab.calls[0][2]
     assert (init["project"], init["experiment_name"], init["logdir"]) == (
@@ -309,11 +314,7 @@ def test_swanlab_calls(tmp_path, monkeypatch):
 
 
 def test_mlflow_calls(tmp_path, monkeypatch):
-    mlflow = _Recorder("mlflow")
-    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
-    _, loggers = _loggers(tmp_path, "mlflow")
-    _log_steps(loggers)
-    names = [c[0] for c in mlflow.calls]
+    mlflow, _, names = _recorded_run(tmp_path, monkeypatch, "mlflow")
     assert names == [
         "set_experiment",
         "start_run",
