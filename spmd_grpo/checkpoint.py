@@ -221,10 +221,37 @@ def _prune(root: Path, keep: Path, save_limit: int) -> None:
             excess -= 1
 
 
+def damaged_parts(path: Path) -> list[str]:
+    """What makes a complete-looking checkpoint unusable, each naming its file: an unreadable
+    trainer_state.json or DCP .metadata, a shard file shorter than the metadata says (a truncated copy, a
+    full disk), a missing scheduler. Reads headers and file sizes only, never the tensors."""
+    problems = []
+    try:
+        json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"{path / TRAINER_STATE}: not readable JSON ({e})")
+    if not (path / SCHEDULER).is_file():
+        problems.append(f"{path / SCHEDULER}: missing")
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a torn pickle raises anything from EOFError to UnpicklingError
+        return [*problems, f"{path / '.metadata'}: unreadable ({type(e).__name__})"]
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        have = file.stat().st_size if file.is_file() else -1
+        if have < size:
+            problems.append(f"{file}: " + ("missing" if have < 0 else f"truncated ({have} of {size} bytes)"))
+    return problems
+
+
 # ------------------------------------------------------------------------------------------------ find
 def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: `none` -> None; `auto` -> newest complete one under
-    `<run_dir>/checkpoints` (None if there is none); anything else -> that directory, which must be complete."""
+    """The checkpoint to resume from: `none` -> None; `auto` -> the newest complete, undamaged one under
+    `<run_dir>/checkpoints` (None if there is none; damaged ones are reported by file and skipped, so the
+    previous checkpoint is used); anything else -> that directory, which must be complete and undamaged."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -232,6 +259,9 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
         missing = missing_parts(path)
         if missing:
             raise ValueError(f"resume={resume!r} is not a complete checkpoint: missing {', '.join(missing)}")
+        damage = damaged_parts(path)
+        if damage:
+            raise ValueError(f"resume={resume!r} is damaged: {'; '.join(damage)}")
         return path
 
     root = Path(run_dir) / CHECKPOINTS
@@ -243,6 +273,11 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
             log.warning(
                 "ignoring incomplete checkpoint %s (missing %s)", p, ", ".join(missing_parts(p)) or "?"
             )
+    for step in sorted(complete, reverse=True):
+        damage = damaged_parts(complete[step])
+        if damage:
+            log.warning("skipping damaged checkpoint %s: %s", complete[step], "; ".join(damage))
+            del complete[step]
     if not complete:
         return None
     newest = complete[max(complete)]

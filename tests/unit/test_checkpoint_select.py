@@ -28,9 +28,13 @@ def _quiet_dcp():
 
 
 def fake_checkpoint(root: Path, name: str, *, complete: bool = True) -> Path:
+    """A checkpoint directory with a real (one-tensor) DCP payload; `complete=False`: no trainer_state.json."""
+    import torch.distributed.checkpoint as dcp
+
     d = root / "checkpoints" / name
     d.mkdir(parents=True)
-    (d / ".metadata").write_bytes(b"")
+    dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
+    torch.save({}, d / "scheduler.pt")
     if complete:
         (d / "trainer_state.json").write_text("{}")
     return d
@@ -74,7 +78,7 @@ def test_auto_picks_newest_complete_and_warns_about_the_rest(tmp_path, caplog):
     (tmp_path / "checkpoints" / "latest").write_text("global_step_5")
     with caplog.at_level(logging.WARNING, logger="spmd_grpo.checkpoint"):
         assert find_checkpoint(tmp_path, "auto") == tmp_path / "checkpoints" / "global_step_5"
-    warned = "\n".join(r.getMessage() for r in caplog.records)
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.name == "spmd_grpo.checkpoint")
     assert "global_step_9.tmp" in warned and "global_step_7" in warned and "trainer_state.json" in warned
     assert "global_step_5" not in warned and "global_step_3" not in warned
 
@@ -190,3 +194,35 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused(tmp_path, victim):
     torch.save({"state": _Payload()}, path / victim)
     with pytest.raises(ValueError, match=f"{victim}: refused to load"):
         load_checkpoint(path, policy=model, optim=optim, world=WORLD)
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "bad json", "torn metadata"])
+def test_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, damage, caplog):
+    model, optim = make_bundle(0)
+    for step in (1, 2):
+        train(model, optim, 1)
+        save(model, optim, tmp_path, step)
+    newest = tmp_path / "checkpoints" / "global_step_2"
+    if damage == "truncated shard":
+        shard = next(newest.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:10])
+        culprit = shard.name
+    elif damage == "bad json":
+        (newest / "trainer_state.json").write_text('{"step": 2,')
+        culprit = "trainer_state.json"
+    else:
+        (newest / ".metadata").write_bytes((newest / ".metadata").read_bytes()[:20])
+        culprit = ".metadata"
+    with caplog.at_level(logging.WARNING):
+        assert find_checkpoint(tmp_path, "auto") == tmp_path / "checkpoints" / "global_step_1"
+    assert f"skipping damaged checkpoint {newest}" in caplog.text and culprit in caplog.text
+    with pytest.raises(ValueError, match=f"is damaged: {newest}/{culprit}".replace(".", r"\.")):
+        find_checkpoint(tmp_path, str(newest))
+    # The checkpoint it falls back to loads (the step-1 state).
+    fresh, fresh_optim = make_bundle(1)
+    assert (
+        load_checkpoint(find_checkpoint(tmp_path, "auto"), policy=fresh, optim=fresh_optim, world=WORLD)[
+            "step"
+        ]
+        == 1
+    )
