@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # memtools.py sits beside this script
-from memtools import HeapSampler, MiB, proc_mem, release_free_memory, reset_peak_rss  # noqa: E402
+from memtools import HeapSampler, MiB, ensure_model, proc_mem, release_free_memory, reset_peak_rss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO / ".cache" / "bench_load_model"
@@ -57,19 +55,6 @@ BENCH_SPEC = dict(
     vision_depth=8,
     vision_num_heads=8,
 )
-
-
-def ensure_model(model_dir: Path, rank: int) -> None:
-    """Rank 0 builds the random model once (atomic rename); the other ranks wait."""
-    if rank == 0 and not (model_dir / "model.safetensors").exists():
-        from spmd_grpo.tools.make_tiny_model import TinyModelSpec, make_tiny_model
-
-        tmp = model_dir.with_name(model_dir.name + f".tmp{os.getpid()}")
-        make_tiny_model(tmp, TinyModelSpec(**BENCH_SPEC))
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        tmp.replace(model_dir)
-    dist.barrier()
 
 
 def baseline_builders(actor, world):
@@ -228,7 +213,7 @@ def main() -> None:
         spmd_grpo.hf_weights.SliceReader = HuggingFaceStorageReader
     args.model_dir = (args.model_dir or DEFAULT_MODEL_DIR).resolve()
     if args.model_dir == DEFAULT_MODEL_DIR.resolve():
-        ensure_model(args.model_dir, world.rank)
+        ensure_model(args.model_dir, BENCH_SPEC, world.rank)
     args.num_params = 0
     for path in weight_files(args.model_dir):
         with safe_open(path, framework="pt") as f:

@@ -10,13 +10,15 @@ Three views of the same phase, from coarse to fine:
     references, through weak references, so tracking keeps nothing alive.
 
 Used by `sync_memory.py` and `load_memory.py`; a benchmark run by path imports it as `memtools` (this
-folder on `sys.path`).
+folder on `sys.path`). `ensure_model` builds the generated model a benchmark measures, once, on rank 0.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import os
+import shutil
 import sys
 import threading
 import time
@@ -139,3 +141,21 @@ class LiveTensors:
         if live > self.peak:
             self.peak, self.peak_at = live, name
         return live
+
+
+def ensure_model(model_dir, spec: dict, rank: int) -> None:
+    """Rank 0 builds the random model `TinyModelSpec(**spec)` into `model_dir` once (atomic rename); every
+    rank waits for it (collective)."""
+    import torch.distributed as dist
+
+    if rank == 0 and not (model_dir / "model.safetensors").exists():
+        from spmd_grpo.tools.make_tiny_model import TinyModelSpec, make_tiny_model
+
+        tmp = model_dir.with_name(model_dir.name + f".tmp{os.getpid()}")
+        t0 = time.perf_counter()
+        make_tiny_model(tmp, TinyModelSpec(**spec))
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        tmp.replace(model_dir)
+        print(f"[benchmark] built {model_dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    dist.barrier()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ from memtools import (  # noqa: E402
     HeapSampler,
     LiveTensors,
     MiB,
+    ensure_model,
     proc_mem,
     release_free_memory,
     reset_peak_rss,
@@ -108,21 +108,6 @@ class PushObserver:
                 del t
 
 
-def ensure_model(model_dir: Path, rank: int) -> None:
-    """Rank 0 builds the random model once (atomic rename); the other ranks wait."""
-    if rank == 0 and not (model_dir / "model.safetensors").exists():
-        from spmd_grpo.tools.make_tiny_model import TinyModelSpec, make_tiny_model
-
-        tmp = model_dir.with_name(model_dir.name + f".tmp{os.getpid()}")
-        t0 = time.perf_counter()
-        make_tiny_model(tmp, TinyModelSpec(**BENCH_SPEC))
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        tmp.replace(model_dir)
-        print(f"[sync_memory] built {model_dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    dist.barrier()
-
-
 def vllm_model(engine) -> torch.nn.Module | None:
     try:
         return engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
@@ -167,7 +152,7 @@ def main() -> None:
     world = init_distributed("cpu")
     model_dir = (args.model_dir or DEFAULT_MODEL_DIR).resolve()
     if args.model_dir is None:
-        ensure_model(model_dir, world.rank)
+        ensure_model(model_dir, BENCH_SPEC, world.rank)
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     bucket_bytes = args.bucket_mb * MiB
