@@ -353,12 +353,16 @@ class TrainerConfig:
     resume: str = "auto"
     """auto | none | <path to a global_step_N dir>."""
     collective_timeout_s: int = 1800
+    preempt_grace_s: float = 25.0
+    """After SIGTERM/SIGINT the run stops at the next step boundary, saving that step; if it is not done
+    this many seconds after the signal, the rank exits at once (128 + signal) without a new checkpoint. Keep
+    it below torchrun's --shutdown_timeout and Slurm's KillWait (both 30 s by default), which SIGKILL."""
     log_every: int = 1
     log_memory: bool = True
     """Log one memory line per phase (rollout, update) on rank 0."""
 
     def check(self, prefix: str) -> None:
-        _require_positive(self, prefix, "total_epochs")
+        _require_positive(self, prefix, "total_epochs", "preempt_grace_s")
         _require(
             len(set(self.logger)) == len(self.logger), f"{prefix}logger lists a logger twice: {self.logger}"
         )

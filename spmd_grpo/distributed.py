@@ -19,6 +19,18 @@ Ascend NPUs (`torch_npu` + vllm-ascend; only tested here against a fake `torch_n
 Collectives live here and say what they reduce. Every collective has the process group's timeout
 (`trainer.collective_timeout_s`), so a dead peer turns into an error rather than a hang; torchrun then
 tears the remaining ranks down.
+
+Stopping and dying (what torchrun does, measured with torch 2.13):
+  * SIGTERM/SIGINT to the torchrun agent: it forwards the signal to every worker, waits
+    `--shutdown_timeout` (default 30 s, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) and then SIGKILLs them; the
+    agent itself always exits 1 (its SignalException), whatever the workers returned. Under Slurm
+    (proctrack cgroup) the workers also get the signal directly; a second one changes nothing here.
+  * A worker that exits non-zero (or is killed): the agent notices within `--monitor_interval` (0.1 s),
+    SIGTERMs the others and SIGKILLs them after 30 s (hard-coded for this path). With gloo a survivor's
+    next collective fails at once ("Connection closed by peer"), so it does not wait for either.
+  `StopOnSignal` turns the signal into a stop at the next step boundary bounded by a grace period;
+  `exit_promptly` makes an exception end the process with exit code 1 at once instead of hanging in
+  interpreter shutdown (vLLM's and gloo's threads, `destroy_process_group` with a dead peer).
 """
 
 from __future__ import annotations
@@ -28,6 +40,12 @@ import importlib
 import logging
 import os
 import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -277,3 +295,91 @@ def exchange_objects(per_destination: list[list], group: dist.ProcessGroup | Non
         out.append(pickle.loads(recv[offset : offset + size].numpy().tobytes()))
         offset += size
     return out
+
+
+# ------------------------------------------------------------------------------------- stop and exit
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopOnSignal:
+    """SIGTERM / SIGINT (Slurm preemption or `scancel`, Ctrl-C, torchrun forwarding either) ask the run to
+    stop; the loop reads `signum` at each step boundary and the ranks agree with `any_rank`, so they save
+    the last finished step together and exit with `exit_code` (128 + signal, as a shell reports a process
+    killed by that signal).
+
+    The signal is seen by a watcher thread through `signal.set_wakeup_fd`, not by the main thread: Python
+    runs handlers only between bytecodes, and a main thread stuck in a C call (a collective with a dead
+    peer) would never start the grace period. `grace_s` seconds after the first signal, if the process is
+    still alive (the step, the save or the teardown took too long), the watcher ends it at once with the
+    same exit code: the previous checkpoint stays the newest complete one, and a save cut short leaves only
+    a `global_step_N.tmp` directory that resume ignores. Further signals change nothing.
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.received_at: float | None = None
+        self._write_fd: int | None = None
+
+    def install(self) -> StopOnSignal:
+        """Listen from now on (main thread only). Call it before anything slow, so no signal is missed, and
+        again after building libraries that may set their own handlers (it re-arms the same watcher)."""
+        if self._write_fd is None:
+            read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._write_fd, False)  # the C-level handler must never block
+            threading.Thread(target=self._watch, args=(read_fd,), name="stop-on-signal", daemon=True).start()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _ignore_in_main_thread)  # the byte on the pipe does the work
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        return self
+
+    @property
+    def exit_code(self) -> int:
+        assert self.signum is not None
+        return 128 + self.signum
+
+    def _watch(self, read_fd: int) -> None:
+        while self.signum is None:
+            for signum in os.read(read_fd, 16):
+                if signum in STOP_SIGNALS and self.signum is None:
+                    self.received_at, self.signum = time.monotonic(), signum
+        log.warning(
+            "signal %d received: stopping at the next step boundary (grace %.0f s)", self.signum, self.grace_s
+        )
+        time.sleep(self.grace_s)
+        log.error(
+            "signal %d: not done %.0f s later (trainer.preempt_grace_s); exiting %d now, without a new "
+            "checkpoint",
+            self.signum,
+            self.grace_s,
+            self.exit_code,
+        )
+        _hard_exit(self.exit_code)
+
+
+def _ignore_in_main_thread(signum: int, frame: object) -> None:
+    """A Python-level handler must exist for the wakeup fd to be written; the watcher thread acts."""
+
+
+def exit_promptly(main: Callable[[], None]) -> None:
+    """Run `main`; if it raises, log the traceback and end the process with exit code 1 at once.
+
+    A plain exception would go through interpreter shutdown, which can hang on non-daemon threads (vLLM's)
+    or block in a collective with a peer that is gone; torchrun would then wait 30 s before SIGKILLing this
+    rank. `SystemExit` (an intended exit code) passes through unchanged.
+    """
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 (also KeyboardInterrupt and DCP's CheckpointException)
+        log.error("rank %s failed:\n%s", os.environ.get("RANK", "0"), traceback.format_exc())
+        _hard_exit(1)
+
+
+def _hard_exit(code: int) -> None:
+    """`os._exit` after flushing what was logged and printed (it skips every other shutdown step)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

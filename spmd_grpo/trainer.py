@@ -11,7 +11,8 @@ One step of `Trainer.train`, each line one call:
     update        ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; version += 1
     validate      when due, inside rollout_mode: the weight sync of the new version happens here, or at the
                   next step's rollout (it needs the wake sequence, so it is never a separate phase)
-    checkpoint    every save_freq steps, at the end, and when a signal asked to stop
+    checkpoint    every save_freq steps, at the end, and when a signal asked to stop (all ranks agree on
+                  that at the step boundary; the run then exits with 128 + signal)
     log           every logger of trainer.logger (console line, metrics.jsonl, tensorboard, wandb, ...)
 
 Run state that changes as training goes on lives in one `RunState` (step, policy version, stop signal)
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,16 +68,18 @@ class RunState:
     version: int = 0
     """Policy version: optimizer updates applied so far; the engine syncs when it holds another one."""
     stop_signal: int | None = None
-    """SIGTERM/SIGINT received: finish the step, save, exit with 128 + signal."""
+    """The stop signal the ranks agreed on at the last step boundary (SIGTERM/SIGINT on any rank): save that
+    step, exit with 128 + signal."""
 
 
 class Trainer:
     """Everything one rank holds for a run: data, policy, optimizer, reference, engine, loggers, state."""
 
-    def __init__(self, cfg: Config, world: D.World) -> None:
+    def __init__(self, cfg: Config, world: D.World, stop: D.StopOnSignal | None = None) -> None:
         from transformers import AutoProcessor
 
         self.cfg, self.world, self.state = cfg, world, RunState()
+        self.stop = stop or D.StopOnSignal(cfg.trainer.preempt_grace_s)
         d, actor = cfg.data, cfg.worker.actor
         # `size`: transformers replays min_pixels/max_pixels given here as deprecated per-call kwargs.
         self.processor = AutoProcessor.from_pretrained(
@@ -142,7 +145,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ the loop
     def train(self) -> None:
         self._start()
-        for step in range(self.state.step + 1, self.total_steps + 1):
+        last = self.state.step if self._agree_on_stop() else self.total_steps  # signalled while starting
+        for step in range(self.state.step + 1, last + 1):
             timer = Timer(self.world.device_type)
             with timer("step"):
                 samples, m = self.rollout(step, timer)
@@ -164,7 +168,7 @@ class Trainer:
             if self._validation_due(step):
                 m.update(self.validate(step, timer))
             self.state.step = step
-            stopping = D.any_rank(self.state.stop_signal is not None, self.world.device)
+            stopping = self._agree_on_stop()
             save_freq = self.cfg.trainer.save_freq
             if stopping or (save_freq > 0 and (step % save_freq == 0 or step == self.total_steps)):
                 self.save(step, timer)
@@ -172,9 +176,7 @@ class Trainer:
             self.write_metrics(step, timer, m)
             if stopping:
                 log.warning(
-                    "stop requested by signal %s: checkpoint of step %d saved, exiting",
-                    self.state.stop_signal,
-                    step,
+                    "stop requested by signal %d: checkpoint of step %d saved", self.state.stop_signal, step
                 )
                 break
         self._finish()
@@ -202,16 +204,31 @@ class Trainer:
         self.loggers = build_loggers(
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )
-        # SIGTERM/SIGINT (Slurm preemption, Ctrl-C): finish the step, save, exit non-zero. All ranks agree on
-        # the stop at the step boundary (a collective), so they save together.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        self.stop.install()  # again: building vLLM may have set its own SIGTERM/SIGINT handlers
+        self._check_shutdown_timeout()
         if self.state.step == 0 and self._validation_due(0):
             timer = Timer(self.world.device_type)
             self.write_metrics(0, timer, self.validate(0, timer))
 
-    def _on_signal(self, signum: int, frame) -> None:
-        self.state.stop_signal = signum
+    def _agree_on_stop(self) -> bool:
+        """Collective, at a step boundary: did any rank get SIGTERM/SIGINT? Every rank gets the same answer
+        (and the same signal in `state.stop_signal`), so they save and stop together."""
+        signum = torch.tensor([self.stop.signum or 0], device=self.world.device)
+        self.state.stop_signal = int(D.all_reduce_max(signum).item()) or None
+        return self.state.stop_signal is not None
+
+    def _check_shutdown_timeout(self) -> None:
+        """torchrun SIGKILLs its workers `--shutdown_timeout` seconds after forwarding a signal: a longer
+        grace period would be cut short there (the flag itself is invisible to the workers)."""
+        shutdown_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        grace_s = self.cfg.trainer.preempt_grace_s
+        if "TORCHELASTIC_RUN_ID" in os.environ and grace_s >= shutdown_s and self.world.is_main:
+            log.warning(
+                "trainer.preempt_grace_s=%g is not below torchrun's shutdown timeout (%g s unless "
+                "--shutdown_timeout says otherwise): torchrun may SIGKILL the ranks before they save",
+                grace_s,
+                shutdown_s,
+            )
 
     def _finish(self) -> None:
         self.loggers.close()
@@ -219,7 +236,10 @@ class Trainer:
         self.engine.shutdown()
         D.destroy()
         if self.state.stop_signal is not None:
-            raise SystemExit(128 + self.state.stop_signal)
+            code = 128 + self.state.stop_signal
+            since = time.monotonic() - (self.stop.received_at or time.monotonic())
+            log.warning("rank %d exits with code %d, %.1f s after the signal", self.world.rank, code, since)
+            raise SystemExit(code)
 
     # ------------------------------------------------------------------------------------------ phases
     def rollout(self, step: int, timer: Timer) -> tuple[list[Sample], dict[str, float]]:
@@ -356,7 +376,15 @@ class Trainer:
 
 
 def run(cfg: Config) -> None:
-    """Train `cfg` on this rank (the process group is created here, after the config was validated)."""
+    """Train `cfg` on this rank (the process group is created here, after the config was validated).
+
+    SIGTERM/SIGINT are listened for from the first line, so a signal during start-up counts too; an
+    exception ends the rank at once with exit code 1 (`D.exit_promptly`), so torchrun brings the job down."""
+    stop = D.StopOnSignal(cfg.trainer.preempt_grace_s).install()
+    D.exit_promptly(lambda: _run(cfg, stop))
+
+
+def _run(cfg: Config, stop: D.StopOnSignal) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     _setup_logging(cfg, world)
@@ -373,7 +401,7 @@ def run(cfg: Config) -> None:
         for problem in check_versions():  # only with SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1
             log.warning("untested: %s", problem)
     D.seed_everything(cfg.trainer.seed)
-    Trainer(cfg, world).train()
+    Trainer(cfg, world, stop).train()
 
 
 def _setup_logging(cfg: Config, world: D.World) -> None:

@@ -1,0 +1,102 @@
+"""Stopping on a signal and dying on a failure, under real torchrun (2 ranks, gloo), with the trainer's own
+handling (`StopOnSignal`, `exit_promptly`) around a loop of collectives (tests/jobs/stop_and_die.py): a
+rank killed or failing brings the job down within 10 s; SIGTERM to the agent stops every rank at the next
+boundary with 128 + 15; a step that outlives the grace period is cut short with the same code.
+
+Each test prints its measured time (`pytest -s` shows it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port
+
+pytestmark = pytest.mark.dist
+
+JOB = "tests/jobs/stop_and_die.py"
+MAX_TEARDOWN_S = 10.0
+
+
+def _launch(out: Path, mode: str, grace_s: float = 25.0) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), JOB, str(out), mode, str(grace_s)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _wait_ready(proc: subprocess.Popen, out: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not all((out / f"rank{r}.ready").exists() for r in (0, 1)):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.1)
+
+
+def _wait_exit(proc: subprocess.Popen) -> tuple[str, float]:
+    """The job's output and the wall time (time.time()) at which torchrun had exited."""
+    output, _ = proc.communicate(timeout=120)
+    return output, time.time()
+
+
+def test_sigkilled_rank_brings_the_job_down_within_10s(tmp_path):
+    proc = _launch(tmp_path, "loop")
+    _wait_ready(proc, tmp_path)
+    killed_at = time.time()
+    os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGKILL)  # a node failure, as the OOM killer
+    output, exited_at = _wait_exit(proc)
+    elapsed = exited_at - killed_at
+    print(f"\nrank 1 SIGKILLed: torchrun exited {proc.returncode} after {elapsed:.2f} s")
+    assert proc.returncode != 0, output[-3000:]
+    assert "(exitcode: -9) local_rank: 1" in output, output[-3000:]
+    assert elapsed < MAX_TEARDOWN_S, output[-3000:]
+
+
+def test_rank_that_raises_exits_1_and_brings_the_job_down_within_10s(tmp_path):
+    proc = _launch(tmp_path, "raise")
+    output, exited_at = _wait_exit(proc)
+    elapsed = exited_at - float((tmp_path / "raised_at").read_text())
+    print(f"\nrank 1 raised: torchrun exited {proc.returncode} after {elapsed:.2f} s")
+    assert proc.returncode != 0, output[-3000:]
+    assert "rank 1 failed:" in output and "rank 1 fails on purpose" in output, output[-3000:]
+    assert "(exitcode: 1) local_rank: 1" in output, output[
+        -3000:
+    ]  # the failing rank: exit_promptly's code, not a signal
+    assert elapsed < MAX_TEARDOWN_S, output[-3000:]
+
+
+def test_sigterm_to_torchrun_stops_every_rank_with_143(tmp_path):
+    proc = _launch(tmp_path, "loop")
+    _wait_ready(proc, tmp_path)
+    signalled_at = time.time()
+    proc.send_signal(signal.SIGTERM)  # what Slurm sends on preemption / scancel
+    output, exited_at = _wait_exit(proc)
+    print(
+        f"\nSIGTERM to torchrun: every rank stopped, torchrun exited after {exited_at - signalled_at:.2f} s"
+    )
+    for rank in (0, 1):
+        assert f"rank {rank} exits with code 143 after iteration" in output, output[-3000:]
+    assert "Unable to shutdown process" not in output, output[-3000:]  # nobody needed SIGKILL
+    assert proc.returncode == 1, output[-3000:]  # torchrun's own code on a signal, whatever the ranks return
+
+
+def test_step_longer_than_the_grace_period_is_cut_short_with_143(tmp_path):
+    grace_s = 2.0
+    proc = _launch(tmp_path, "slow", grace_s)  # the iteration that sees the signal sleeps 10 x grace
+    _wait_ready(proc, tmp_path)
+    signalled_at = time.time()
+    proc.send_signal(signal.SIGTERM)
+    output, exited_at = _wait_exit(proc)
+    elapsed = exited_at - signalled_at
+    print(f"\nSIGTERM with a {grace_s:.0f} s grace and a 20 s step: torchrun exited after {elapsed:.2f} s")
+    assert output.count("exiting 143 now, without a new checkpoint") == 2, output[-3000:]
+    assert "exits with code" not in output, output[-3000:]  # no rank reached the boundary
+    assert grace_s <= elapsed < grace_s + MAX_TEARDOWN_S, output[-3000:]

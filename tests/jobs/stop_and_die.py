@@ -1,0 +1,52 @@
+"""torchrun job: a loop of collectives under the trainer's own signal and exit handling, no model.
+
+    torchrun --nproc_per_node 2 tests/jobs/stop_and_die.py OUT_DIR MODE GRACE_S
+
+Like `trainer.run`, every rank listens for SIGTERM/SIGINT from its first line (`StopOnSignal`, grace
+GRACE_S), runs under `exit_promptly`, and agrees on a stop at each iteration boundary (`any_rank`). Each
+rank writes `OUT_DIR/rank<r>.pid` and, after a few iterations, `OUT_DIR/rank<r>.ready`. MODE:
+  loop    iterate until a signal stops the job (rank r logs "rank r exits with code C")
+  raise   rank 1 raises after a few iterations, after writing the time to `OUT_DIR/raised_at`
+  slow    like loop, but the iteration that sees the signal sleeps 10 x GRACE_S (a step that cannot
+          finish within the grace period)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from spmd_grpo import distributed as D
+
+log = logging.getLogger("stop_and_die")
+
+
+def main(out: Path, mode: str, stop: D.StopOnSignal) -> None:
+    world = D.init_distributed("cpu", timeout_s=600)
+    (out / f"rank{world.rank}.pid").write_text(str(os.getpid()))
+    for i in range(1_000_000):
+        time.sleep(0.05)  # the step's work
+        if mode == "slow" and stop.signum is not None:
+            time.sleep(10 * stop.grace_s)
+        if mode == "raise" and world.rank == 1 and i == 10:
+            (out / "raised_at").write_text(repr(time.time()))
+            raise RuntimeError("rank 1 fails on purpose")
+        if D.any_rank(stop.signum is not None, world.device):  # the step boundary
+            code = 128 + int(D.all_reduce_max(torch.tensor([stop.signum or 0])).item())
+            log.warning("rank %d exits with code %d after iteration %d", world.rank, code, i)
+            D.destroy()
+            raise SystemExit(code)
+        if i == 5:
+            (out / f"rank{world.rank}.ready").write_text("")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="[%(process)d] %(levelname)s %(name)s: %(message)s")
+    out_dir, job_mode, grace = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    listener = D.StopOnSignal(grace).install()
+    D.exit_promptly(lambda: main(out_dir, job_mode, listener))
