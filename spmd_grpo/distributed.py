@@ -28,7 +28,8 @@ Stopping and dying (what torchrun does, measured with torch 2.13):
   * A worker that exits non-zero (or is killed): the agent notices within `--monitor_interval` (0.1 s),
     SIGTERMs the others and SIGKILLs them after 30 s (hard-coded for this path). With gloo a survivor's
     next collective fails at once ("Connection closed by peer"), so it does not wait for either.
-  `StopOnSignal` turns the signal into a stop at the next step boundary bounded by a grace period;
+  `StopOnSignal` turns the signal into a stop at the next step boundary bounded by a grace period (at
+  once when a rank on the same node is already gone: that signal is the agent ending a failed job);
   `exit_promptly` makes an exception end the process with exit code 1 at once instead of hanging in
   interpreter shutdown (vLLM's and gloo's threads, `destroy_process_group` with a dead peer).
 """
@@ -47,6 +48,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -343,6 +345,11 @@ class StopOnSignal:
             for signum in os.read(read_fd, 16):
                 if signum in STOP_SIGNALS and self.signum is None:
                     self.received_at, self.signum = time.monotonic(), signum
+        if _local_rank_gone():
+            log.error(
+                "signal %d after a rank on this node exited: exiting %d now", self.signum, self.exit_code
+            )
+            _hard_exit(self.exit_code)
         log.warning(
             "signal %d received: stopping at the next step boundary (grace %.0f s)", self.signum, self.grace_s
         )
@@ -355,6 +362,23 @@ class StopOnSignal:
             self.exit_code,
         )
         _hard_exit(self.exit_code)
+
+
+def _local_rank_gone() -> bool:
+    """Under torchrun: fewer live workers under this rank's agent than LOCAL_WORLD_SIZE. The agent reaps a
+    worker that died before it signals the others, so a signal with a sibling missing is the agent taking
+    the job down, not a preemption: waiting for a step boundary (a rank busy generating may not reach one
+    for minutes, a rank in an NCCL collective never) would only delay the end. Linux `/proc`."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    agent, alive = os.getppid(), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+        alive += int(ppid) == agent and state != "Z"
+    return alive < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _ignore_in_main_thread(signum: int, frame: object) -> None:

@@ -6,6 +6,8 @@ Like `trainer.run`, every rank listens for SIGTERM/SIGINT from its first line (`
 GRACE_S), runs under `exit_promptly`, and agrees on a stop at each iteration boundary (`any_rank`). Each
 rank writes `OUT_DIR/rank<r>.pid` and, after a few iterations, `OUT_DIR/rank<r>.ready`. MODE:
   loop    iterate until a signal stops the job (rank r logs "rank r exits with code C")
+  busy    like loop, but once ready rank 0 spends 60 s in each iteration without a collective (as a rank
+          generating alone), so a dead peer cannot reach it through a collective
   raise   rank 1 raises after a few iterations, after writing the time to `OUT_DIR/raised_at`
   slow    like loop, but the iteration that sees the signal sleeps 10 x GRACE_S (a step that cannot
           finish within the grace period)
@@ -31,6 +33,8 @@ def main(out: Path, mode: str, stop: D.StopOnSignal) -> None:
     (out / f"rank{world.rank}.pid").write_text(str(os.getpid()))
     for i in range(1_000_000):
         time.sleep(0.05)  # the step's work
+        if mode == "busy" and world.rank == 0 and i > 5:
+            time.sleep(60)
         if mode == "slow" and stop.signum is not None:
             time.sleep(10 * stop.grace_s)
         if mode == "raise" and world.rank == 1 and i == 10:
