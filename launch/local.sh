@@ -17,4 +17,5 @@ if [[ -n $VENV ]]; then
     set -eu
 fi
 
-exec torchrun --standalone --nproc_per_node "${NPROC_PER_NODE:-8}" -m spmd_grpo.train "$@"
+# spmd_grpo.launch is torchrun (same options) whose exit code is 128 + signal when the job was signalled.
+exec python -m spmd_grpo.launch --standalone --nproc_per_node "${NPROC_PER_NODE:-8}" -m spmd_grpo.train "$@"

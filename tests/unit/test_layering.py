@@ -23,7 +23,7 @@ LAYERS = {
     # 5: the loop, the planner, the exporter, the run report
     "trainer": 5, "plan": 5, "export": 5, "report": 5,
     # 6: entry points
-    "train": 6, "smoke": 6,
+    "train": 6, "smoke": 6, "launch": 6,
 }  # fmt: skip
 PURE_MATH = ("advantage", "loss", "reward", "correction")
 
