@@ -50,7 +50,10 @@ def main(out: Path, mode: str, stop: D.StopOnSignal) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="[%(process)d] %(levelname)s %(name)s: %(message)s")
+    rank = os.environ["RANK"]  # "[rank0] <time.time()> LEVEL name: message": when each rank said its last
+    logging.basicConfig(
+        level=logging.INFO, format=f"[rank{rank}] %(created).3f %(levelname)s %(name)s: %(message)s"
+    )
     out_dir, job_mode, grace = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
     listener = D.StopOnSignal(grace).install()
     D.exit_promptly(lambda: main(out_dir, job_mode, listener))
