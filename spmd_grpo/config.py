@@ -4,13 +4,20 @@ Section names follow EasyR1/verl so their users recognise them: ``data``, ``algo
 ``worker.rollout``, ``worker.ref``, ``worker.reward``, ``trainer``.
 
 Everything a user can get wrong is caught here, before any process group or model exists:
-  * unknown keys (with the full dotted name and the closest valid key),
-  * wrong types (with the expected type),
-  * value rules, checked by ``validate(cfg, world_size)``: first each section's own (positive lengths,
-    ranges, a model path), in the section's ``check(prefix)`` method where ``prefix`` is its dotted key
+  * unknown keys (with the full dotted name and the closest valid key), a key given twice in one YAML
+    mapping (file and both lines),
+  * wrong types (with the expected type); a float must be finite (NaN and inf are refused everywhere),
+  * value rules, checked by ``validate(cfg, world_size)``: first each section's own (ranges, enums, a
+    built-in name), in the section's ``check(prefix)`` method where ``prefix`` is its dotted key
     (``worker.rollout.``), then the rules across sections and the world size (batch sizes vs world size and
-    group size, TP dividing the world, DAPO's batch and length settings).
-``ConfigError`` carries a one-line message; ``spmd_grpo.train`` prints it and exits with code 2.
+    group size, TP dividing the world, DAPO's batch and length settings, validation without a validation
+    set), then what must exist on this machine, in the sections' ``check_files(prefix)`` (model and
+    tokenizer directory or hub id, data files, prompt template, reward file and function, resume directory)
+    and the training set's rows against the rollout batch. ``--dry-run`` skips the last part: it plans a job
+    for another machine.
+``ConfigError`` carries a one-line message naming the key, the value and what is allowed; ``spmd_grpo.train``
+prints it and exits with code 2. Values derived from several fields (``Config.max_model_len``,
+``Config.num_train_groups``, ``Config.total_steps``) are computed here and nowhere else.
 
 Deviations from EasyR1's schema: ``algorithm.norm_adv_by_std_in_grpo`` and ``algorithm.adv_std_scope`` are
 verl's names; DAPO's switches live under ``algorithm.filter_groups`` and ``algorithm.overlong_buffer`` (verl
@@ -74,7 +81,7 @@ def _require_nonempty(section: Any, prefix: str, *names: str) -> None:
 
 
 def _require_top_k(prefix: str, top_k: int) -> None:
-    _require(top_k == -1 or top_k >= 1, f"{prefix}top_k must be -1 (off) or >= 1 (as vLLM), got {top_k}")
+    _require(top_k >= -1, f"{prefix}top_k must be -1 or 0 (off) or >= 1 (as vLLM), got {top_k}")
 
 
 # ------------------------------------------------------------------------ what must exist on this machine
@@ -452,6 +459,10 @@ class ValOverrideConfig:
     def check(self, prefix: str) -> None:
         _require_positive(self, prefix, "n")
         _require_at_least(self, prefix, 0, "temperature")
+        _require(
+            self.temperature > 0 or self.n == 1,
+            f"{prefix}n must be 1 with temperature 0 (greedy: vLLM refuses n > 1), got {self.n}",
+        )
         _require(0 < self.top_p <= 1, f"{prefix}top_p must be in (0, 1], got {self.top_p}")
         _require_top_k(prefix, self.top_k)
 

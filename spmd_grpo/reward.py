@@ -110,7 +110,7 @@ def load_reward_function(spec: str, format_weight: float = 0.1) -> RewardFn:
         raise ValueError(
             f"reward function spec {spec!r} must be one of {sorted(_BUILTIN_REWARDS)} or 'path/to/file.py:fn_name'"
         )
-    path = Path(path_str)
+    path = Path(path_str).expanduser()
     if not path.is_file():
         raise ValueError(f"reward function spec {spec!r}: file {str(path)!r} does not exist")
     # A unique module name per file, registered in sys.modules before exec: dataclasses and pickling in the

@@ -160,7 +160,7 @@ VALUE_ROWS = [
     ([f"{A}fsdp.param_dtype=fp8"], f"{A}fsdp.param_dtype"),
     # worker.rollout
     ([f"{R}top_k=-5"], f"{R}top_k"),
-    ([f"{R}top_k=0"], f"{R}top_k"),
+    ([f"{R}top_k=-2"], f"{R}top_k"),
     ([f"{R}max_num_seqs=0"], f"{R}max_num_seqs"),
     ([f"{R}n=0"], f"{R}n"),
     ([f"{R}temperature=0"], f"{R}temperature"),
@@ -175,6 +175,7 @@ VALUE_ROWS = [
     ([f"{R}val_override.top_k=-5"], f"{R}val_override.top_k"),
     ([f"{R}val_override.n=0"], f"{R}val_override.n"),
     ([f"{R}val_override.temperature=-1"], f"{R}val_override.temperature"),
+    ([f"{R}val_override.temperature=0", f"{R}val_override.n=4"], f"{R}val_override.n"),
     ([f"{R}val_override.top_p=0"], f"{R}val_override.top_p"),
     # worker.reward
     (["worker.reward.reward_function=maths"], "worker.reward.reward_function"),
