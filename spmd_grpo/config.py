@@ -577,14 +577,17 @@ class TrainerConfig:
     """The run's files go to output_dir/experiment_name."""
     total_epochs: int = 1
     max_steps: int | None = None
-    """Stop after this many steps (None: total_epochs over the training set)."""
+    """Stop after this many steps, >= 1 (null: total_epochs over the training set)."""
     device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
     seed: int = 1
     val_freq: int = -1
+    """Validate every N steps and after the last (-1: never; needs data.val_files)."""
     val_before_train: bool = False
     val_generations_to_log: int = 4
     save_freq: int = -1
+    """Save every N steps and after the last (-1: only when a signal stops the run)."""
     save_limit: int = 2
+    """Keep the newest N complete checkpoints (-1: all)."""
     resume: str = "auto"
     """auto | none | <path to a global_step_N dir>."""
     collective_timeout_s: int = 1800

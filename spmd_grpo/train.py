@@ -2,8 +2,9 @@
 
 This entry point parses the command line, loads and validates the config against the world size from
 torchrun's environment BEFORE any process group or model exists (values, paths that must exist, the data
-set's size, a user reward file imported; a config error prints one line on stderr and exits with code 2), then either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step
-is described in trainer.py).
+set's size; a user reward file is imported), where a config error prints one line on stderr and exits with
+code 2; then it either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step is described
+in trainer.py).
 """
 
 from __future__ import annotations
