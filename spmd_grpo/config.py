@@ -4,13 +4,20 @@ Section names follow EasyR1/verl so their users recognise them: ``data``, ``algo
 ``worker.rollout``, ``worker.ref``, ``worker.reward``, ``trainer``.
 
 Everything a user can get wrong is caught here, before any process group or model exists:
-  * unknown keys (with the full dotted name and the closest valid key),
-  * wrong types (with the expected type),
-  * value rules, checked by ``validate(cfg, world_size)``: first each section's own (positive lengths,
-    ranges, a model path), in the section's ``check(prefix)`` method where ``prefix`` is its dotted key
+  * unknown keys (with the full dotted name and the closest valid key), a key given twice in one YAML
+    mapping (file and both lines),
+  * wrong types (with the expected type); a float must be finite (NaN and inf are refused everywhere),
+  * value rules, checked by ``validate(cfg, world_size)``: first each section's own (ranges, enums, a
+    built-in name), in the section's ``check(prefix)`` method where ``prefix`` is its dotted key
     (``worker.rollout.``), then the rules across sections and the world size (batch sizes vs world size and
-    group size, TP dividing the world, DAPO's batch and length settings).
-``ConfigError`` carries a one-line message; ``spmd_grpo.train`` prints it and exits with code 2.
+    group size, TP dividing the world, DAPO's batch and length settings, validation without a validation
+    set), then what must exist on this machine, in the sections' ``check_files(prefix)`` (model and
+    tokenizer directory or hub id, data files, prompt template, reward file and function, resume directory)
+    and the training set's rows against the rollout batch. ``--dry-run`` skips the last part: it plans a job
+    for another machine.
+``ConfigError`` carries a one-line message naming the key, the value and what is allowed; ``spmd_grpo.train``
+prints it and exits with code 2. Values derived from several fields (``Config.max_model_len``,
+``Config.num_train_groups``, ``Config.total_steps``) are computed here and nowhere else.
 
 Deviations from EasyR1's schema: ``algorithm.norm_adv_by_std_in_grpo`` and ``algorithm.adv_std_scope`` are
 verl's names; DAPO's switches live under ``algorithm.filter_groups`` and ``algorithm.overlong_buffer`` (verl
@@ -19,9 +26,14 @@ names them ``algorithm.filter_groups`` and ``reward_model.overlong_buffer``).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
 import importlib.util
+import math
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -48,6 +60,134 @@ def _require_positive(section: Any, prefix: str, *names: str) -> None:
         _require(value > 0, f"{prefix}{name} must be positive, got {value}")
 
 
+def _require_at_least(section: Any, prefix: str, minimum: float, *names: str) -> None:
+    """`<prefix><name> must be >= minimum` for the first of the section's fields `names` below it."""
+    for name in names:
+        value = getattr(section, name)
+        _require(value >= minimum, f"{prefix}{name} must be >= {minimum}, got {value}")
+
+
+def _require_off_or_positive(section: Any, prefix: str, *names: str) -> None:
+    """Fields where -1 means "off / all" and any other value must be >= 1 (0 and -5 are mistakes)."""
+    for name in names:
+        value = getattr(section, name)
+        _require(value == -1 or value >= 1, f"{prefix}{name} must be -1 (off) or >= 1, got {value}")
+
+
+def _require_nonempty(section: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _require(bool(value and value.strip()), f"{prefix}{name} must be a non-empty string, got {value!r}")
+
+
+def _require_top_k(prefix: str, top_k: int) -> None:
+    _require(top_k >= -1, f"{prefix}top_k must be -1 or 0 (off) or >= 1 (as vLLM), got {top_k}")
+
+
+# ------------------------------------------------------------------------ what must exist on this machine
+BUILTIN_REWARDS = ("math", "color")
+"""The reward names `spmd_grpo.reward` resolves itself (the rest must be `path/file.py:function`)."""
+BUILTIN_DATASETS = ("color", "geo3k")
+"""The `builtin:<task>` data sets `spmd_grpo.data` generates."""
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\[\]:%+-]+)?$")
+"""`owner/name`, for data sets optionally `@split`."""
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    """`owner/name[@split]` that cannot be a local path: no leading `/`, `.` or `~`, and `owner` is not a
+    directory here (`models/qwen` with a `models/` directory is a missing local path, not a hub id)."""
+    if not HUB_ID.match(value) or value[0] in "/.~":
+        return False
+    return not Path(value.split("/")[0]).is_dir()
+
+
+def _hub_cache_has(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds a snapshot of model `repo_id` with its config.json."""
+    home = os.environ.get("HF_HOME", str(Path("~/.cache/huggingface").expanduser()))
+    cache = Path(os.environ.get("HF_HUB_CACHE", os.path.join(home, "hub")))
+    return any((cache / f"models--{repo_id.replace('/', '--')}" / "snapshots").glob("*/config.json"))
+
+
+def _check_model_path(key: str, value: str) -> None:
+    """A local checkpoint directory with config.json, or a hub id. Hub ids are downloaded at start-up, so
+    they are accepted as they are, except offline (`HF_HUB_OFFLINE=1`), where the cache must hold them."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        _require(
+            (path / "config.json").is_file(),
+            f"{key}: {value!r} has no config.json (expected a Hugging Face checkpoint directory)",
+        )
+        return
+    _require(
+        _looks_like_hub_id(value),
+        f"{key} must be an existing checkpoint directory or a hub id owner/name, got {value!r}: "
+        f"{'not a directory' if path.exists() else 'no such directory'}",
+    )
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+    _require(
+        not offline or _hub_cache_has(value),
+        f"{key}: {value!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
+    )
+
+
+def _check_data_source(key: str, source: str) -> None:
+    """A parquet file, a directory holding *.parquet, `builtin:<task>` (checked by the section), a hub id."""
+    if source.startswith("builtin:"):
+        return
+    path = Path(source).expanduser()
+    if path.is_file():
+        return
+    if path.is_dir():
+        _require(any(path.glob("*.parquet")), f"{key}: directory {source!r} holds no *.parquet file")
+        return
+    _require(
+        _looks_like_hub_id(source),
+        f"{key} must be a parquet file or directory, builtin:<task> or a hub id owner/name[@split], "
+        f"got {source!r}: no such file or directory",
+    )
+
+
+def count_rows(source: str, num_builtin_examples: int) -> int | None:
+    """Rows of a data source before any is read (parquet footers only); None for a hub data set."""
+    if source.startswith("builtin:"):
+        return num_builtin_examples
+    path = Path(source).expanduser()
+    if not (path.is_file() or path.is_dir()):
+        return None
+    import pyarrow.parquet as pq
+
+    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    rows = 0
+    for file in files:
+        try:
+            rows += pq.read_metadata(file).num_rows
+        except Exception as e:  # pyarrow raises several types for a file that is not parquet
+            raise ConfigError(f"{file} is not a readable parquet file: {type(e).__name__}: {e}") from None
+    return rows
+
+
+def _check_reward_file(key: str, spec: str) -> None:
+    """`path/file.py:fn`: the file exists, parses, and defines or imports `fn` at its top level (read, not
+    run: importing it runs the user's code, which `spmd_grpo.train` does next, before any process group)."""
+    path_str, _, fn = spec.rpartition(":")
+    path = Path(path_str).expanduser()
+    _require(path.is_file(), f"{key}: {spec!r}: file {path_str!r} does not exist")
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as e:
+        raise ConfigError(f"{key}: {spec!r}: {path_str} line {e.lineno}: {e.msg}") from None
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    _require(fn in names, f"{key}: {spec!r}: {path_str} defines no function {fn!r}")
+
+
 # --------------------------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class DataConfig:
@@ -65,8 +205,6 @@ class DataConfig:
     max_response_length: int = 512
     rollout_batch_size: int = 16
     """Prompts drawn per step across all ranks; each yields worker.rollout.n samples."""
-    val_batch_size: int = -1
-    """-1 = the whole validation set in one pass."""
     val_max_samples: int = -1
     """Validate on the first N examples of the validation set (-1: all)."""
     min_pixels: int = 3136
@@ -80,8 +218,17 @@ class DataConfig:
 
     def check(self, prefix: str) -> None:
         _require_positive(
-            self, prefix, "max_prompt_length", "max_response_length", "rollout_batch_size", "min_pixels"
+            self,
+            prefix,
+            "max_prompt_length",
+            "max_response_length",
+            "rollout_batch_size",
+            "min_pixels",
+            "num_builtin_examples",
         )
+        _require_nonempty(self, prefix, "train_files", "prompt_key", "answer_key", "image_key")
+        _require_off_or_positive(self, prefix, "val_max_samples")
+        _require_at_least(self, prefix, 0, "seed")
         _require(
             self.max_pixels >= self.min_pixels,
             f"{prefix}max_pixels ({self.max_pixels}) must be >= {prefix}min_pixels ({self.min_pixels})",
@@ -90,6 +237,24 @@ class DataConfig:
             0 <= self.max_bad_fraction <= 1,
             f"{prefix}max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}",
         )
+        for name in ("train_files", "val_files"):
+            source = getattr(self, name)
+            if source is not None and source.startswith("builtin:"):
+                _require(
+                    source.removeprefix("builtin:") in BUILTIN_DATASETS,
+                    f"{prefix}{name}: unknown builtin data set {source!r}; available: "
+                    f"{', '.join('builtin:' + t for t in BUILTIN_DATASETS)}",
+                )
+
+    def check_files(self, prefix: str) -> None:
+        _check_data_source(f"{prefix}train_files", self.train_files)
+        if self.val_files is not None:
+            _check_data_source(f"{prefix}val_files", self.val_files)
+        if self.format_prompt is not None:
+            _require(
+                Path(self.format_prompt).expanduser().is_file(),
+                f"{prefix}format_prompt must be an existing jinja file, got {self.format_prompt!r}: no such file",
+            )
 
 
 @dataclass(frozen=True)
@@ -105,6 +270,15 @@ class FilterGroupsConfig:
     """Prompt groups to train on per step (-1: data.rollout_batch_size); each generation batch draws
     data.rollout_batch_size prompts, so a larger rollout batch needs fewer generation batches."""
 
+    def num_train_groups(self, rollout_batch_size: int) -> int:
+        """Prompt groups trained on per step: train_batch_size when DAPO is on and it is set, else the
+        rollout batch."""
+        return self.train_batch_size if self.enable and self.train_batch_size > 0 else rollout_batch_size
+
+    def check(self, prefix: str) -> None:
+        _require_nonempty(self, prefix, "metric")
+        _require_off_or_positive(self, prefix, "train_batch_size")
+
 
 @dataclass(frozen=True)
 class OverlongBufferConfig:
@@ -113,6 +287,9 @@ class OverlongBufferConfig:
     enable: bool = False
     length: int = 512
     penalty_factor: float = 1.0
+
+    def check(self, prefix: str) -> None:
+        _require_at_least(self, prefix, 0, "penalty_factor")
 
 
 @dataclass(frozen=True)
@@ -166,18 +343,29 @@ class AlgorithmConfig:
     kl_penalty: Literal["low_var_kl", "kl", "abs", "mse"] = "low_var_kl"
     kl_coef: float = 0.01
 
+    def check(self, prefix: str) -> None:
+        _require_positive(self, prefix, "adv_eps")
+        _require_at_least(self, prefix, 0, "kl_coef")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str = ""
-    """Local directory or HF hub id of a Qwen2.5-VL checkpoint."""
+    """Local directory (holding config.json) or HF hub id `owner/name` of a Qwen2.5-VL checkpoint."""
     tokenizer_path: str | None = None
+    """Where the processor (tokenizer + image processor) comes from; None = model_path."""
     trust_remote_code: bool = False
+    """Passed to transformers (config, processor) and to vLLM: allow code shipped with the checkpoint."""
     freeze_vision_tower: bool = False
     enable_gradient_checkpointing: bool = False
 
     def check(self, prefix: str) -> None:
         _require(self.model_path != "", f"{prefix}model_path must be set (a local directory or HF id)")
+
+    def check_files(self, prefix: str) -> None:
+        _check_model_path(f"{prefix}model_path", self.model_path)
+        if self.tokenizer_path is not None:
+            _check_model_path(f"{prefix}tokenizer_path", self.tokenizer_path)
 
 
 @dataclass(frozen=True)
@@ -188,6 +376,17 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.0
+
+    def check(self, prefix: str) -> None:
+        _require_positive(self, prefix, "lr")
+        _require(
+            all(0 <= b < 1 for b in self.betas),
+            f"{prefix}betas must both be in [0, 1), got {list(self.betas)}",
+        )
+        _require_at_least(self, prefix, 0, "weight_decay", "lr_warmup_steps")
+        _require(
+            0 <= self.min_lr_ratio <= 1, f"{prefix}min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
+        )
 
 
 @dataclass(frozen=True)
@@ -243,6 +442,8 @@ class ActorConfig:
         _require(0 <= low < 1, f"{prefix}clip_ratio_low must be in [0, 1), got {low}")
         _require(high >= 0, f"{prefix}clip_ratio_high must be >= 0, got {high}")
         _require(dual is None or dual > 1, f"{prefix}clip_ratio_dual must be > 1 (or null), got {dual}")
+        _require_at_least(self, prefix, 0, "entropy_coef")
+        _require_positive(self, prefix, "max_grad_norm")
 
 
 @dataclass(frozen=True)
@@ -250,9 +451,20 @@ class ValOverrideConfig:
     """Sampling for validation, instead of worker.rollout's."""
 
     temperature: float = 0.6
+    """0: greedy."""
     top_p: float = 0.95
     top_k: int = -1
     n: int = 1
+
+    def check(self, prefix: str) -> None:
+        _require_positive(self, prefix, "n")
+        _require_at_least(self, prefix, 0, "temperature")
+        _require(
+            self.temperature > 0 or self.n == 1,
+            f"{prefix}n must be 1 with temperature 0 (greedy: vLLM refuses n > 1), got {self.n}",
+        )
+        _require(0 < self.top_p <= 1, f"{prefix}top_p must be in (0, 1], got {self.top_p}")
+        _require_top_k(prefix, self.top_k)
 
 
 @dataclass(frozen=True)
@@ -288,10 +500,16 @@ class RolloutConfig:
             "max_num_batched_tokens",
             "weight_sync_bucket_mb",
             "limit_images",
+            "max_num_seqs",
+            "kv_cache_memory_gb",
         )
         _require(self.temperature > 0, f"{prefix}temperature must be > 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, f"{prefix}top_p must be in (0, 1], got {self.top_p}")
-        _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}gpu_memory_utilization must be in (0, 1]")
+        _require_top_k(prefix, self.top_k)
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"{prefix}gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
 
 
 @dataclass(frozen=True)
@@ -309,8 +527,25 @@ class RefConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     reward_function: str = "math"
-    """`math` (geometry3k: 0.9 accuracy + 0.1 format), `color` (the smoke task), or `path/file.py:fn`."""
+    """`math` (geometry3k accuracy + format), `color` (the smoke task), or `path/file.py:fn`."""
     format_weight: float = 0.1
+    """The built-in rewards' overall = (1 - format_weight) * accuracy + format_weight * format (EasyR1's
+    `r1v` / `math`); a `path/file.py:fn` reward computes its own `overall` and does not get it."""
+
+    def check(self, prefix: str) -> None:
+        _require(
+            0 <= self.format_weight <= 1, f"{prefix}format_weight must be in [0, 1], got {self.format_weight}"
+        )
+        spec, key = self.reward_function, f"{prefix}reward_function"
+        path, sep, fn = spec.rpartition(":")
+        _require(
+            spec in BUILTIN_REWARDS or (bool(sep) and path.endswith(".py") and fn.isidentifier()),
+            f"{key} must be one of {', '.join(BUILTIN_REWARDS)} or path/to/file.py:function, got {spec!r}",
+        )
+
+    def check_files(self, prefix: str) -> None:
+        if self.reward_function not in BUILTIN_REWARDS:
+            _check_reward_file(f"{prefix}reward_function", self.reward_function)
 
 
 @dataclass(frozen=True)
@@ -342,14 +577,17 @@ class TrainerConfig:
     """The run's files go to output_dir/experiment_name."""
     total_epochs: int = 1
     max_steps: int | None = None
-    """Stop after this many steps (None: total_epochs over the training set)."""
+    """Stop after this many steps, >= 1 (null: total_epochs over the training set)."""
     device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
     seed: int = 1
     val_freq: int = -1
+    """Validate every N steps and after the last (-1: never; needs data.val_files)."""
     val_before_train: bool = False
     val_generations_to_log: int = 4
     save_freq: int = -1
+    """Save every N steps and after the last (-1: only when a signal stops the run)."""
     save_limit: int = 2
+    """Keep the newest N complete checkpoints (-1: all)."""
     resume: str = "auto"
     """auto | none | <path to a global_step_N dir>."""
     collective_timeout_s: int = 1800
@@ -362,7 +600,17 @@ class TrainerConfig:
     """Log one memory line per phase (rollout, update) on rank 0."""
 
     def check(self, prefix: str) -> None:
-        _require_positive(self, prefix, "total_epochs", "preempt_grace_s")
+        _require_positive(
+            self, prefix, "total_epochs", "collective_timeout_s", "log_every", "preempt_grace_s"
+        )
+        _require_nonempty(self, prefix, "project_name", "experiment_name", "output_dir")
+        _require(
+            self.max_steps is None or self.max_steps >= 1,
+            f"{prefix}max_steps must be >= 1 or null (total_epochs over the data), got {self.max_steps}",
+        )
+        _require_off_or_positive(self, prefix, "val_freq", "save_freq", "save_limit")
+        _require_at_least(self, prefix, 0, "seed", "val_generations_to_log")
+        _require_nonempty(self, prefix, "resume")
         _require(
             len(set(self.logger)) == len(self.logger), f"{prefix}logger lists a logger twice: {self.logger}"
         )
@@ -374,6 +622,13 @@ class TrainerConfig:
                 f"{prefix}logger: {name!r} needs the {module} package: pip install 'spmd_grpo[{name}]'",
             )
 
+    def check_files(self, prefix: str) -> None:
+        _require(
+            self.resume in ("auto", "none") or Path(self.resume).expanduser().is_dir(),
+            f"{prefix}resume must be auto, none or an existing checkpoint directory (global_step_N), "
+            f"got {self.resume!r}: no such directory",
+        )
+
 
 @dataclass(frozen=True)
 class Config:
@@ -383,6 +638,20 @@ class Config:
     def run_dir(self) -> Path:
         """trainer.output_dir / trainer.experiment_name: the run's own directory."""
         return Path(self.trainer.output_dir) / self.trainer.experiment_name
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + response tokens: the longest sequence vLLM and the trainer see."""
+        return self.data.max_prompt_length + self.data.max_response_length
+
+    @property
+    def num_train_groups(self) -> int:
+        """Prompt groups trained on per step (DAPO's train_batch_size when set, else the rollout batch)."""
+        return self.algorithm.filter_groups.num_train_groups(self.data.rollout_batch_size)
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """trainer.max_steps, else trainer.total_epochs over the training set."""
+        return self.trainer.max_steps or self.trainer.total_epochs * steps_per_epoch
 
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -399,17 +668,44 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            with path.open() as stream:  # a stream, so that errors name the file
+                raw = yaml.load(stream, Loader=_StrictLoader) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+        try:
+            parsed = yaml.load(value, Loader=_StrictLoader) if value.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}: value {value!r} is not valid YAML: {_one_line(e)}") from None
+        _set_dotted(raw, key.strip(), parsed)
     return _build(Config, raw, prefix="")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                where = key_node.start_mark.name.replace("<unicode string>", "command-line override")
+                raise ConfigError(
+                    f"{where}: duplicate key {key!r} at line {line} "
+                    f"(first at line {seen[key]}); a key may appear once per section"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _one_line(error: yaml.YAMLError) -> str:
+    return " ".join(str(error).split())
 
 
 def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
@@ -423,13 +719,19 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """The section's field types, evaluated once (the annotations are strings under `from __future__`)."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     where = prefix.rstrip(".") or "<top level>"
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a section (mapping), got {type(raw).__name__} {raw!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
@@ -451,7 +753,7 @@ def _suggest(prefix: str, key: str, cls: type) -> str:
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             keys += _all_keys(hints[f.name], f"{prefix}{f.name}.")
@@ -474,8 +776,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 continue
             try:
                 return _coerce(arg, value, key)
-            except ConfigError:
-                pass
+            except ConfigError as e:
+                if "finite" in str(e):  # the right type, a wrong value: say so, not "expected float or null"
+                    raise
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
         if value not in args:
@@ -490,14 +793,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(a, v, key) for a, v in zip(args, value, strict=True))
     if tp is float:
-        # YAML reads 1e-6 (no dot) as a string: accept numeric strings for floats only.
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = _as_float(value)
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+            return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -507,6 +807,18 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     else:
         raise AssertionError(f"config schema type {tp} of {key} is not handled")
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _as_float(value: Any) -> float | None:
+    """A number, or a numeric string (YAML reads 1e-6, without a dot, as a string); None otherwise."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def _type_name(tp: Any) -> str:
@@ -538,31 +850,74 @@ def _plain(obj: Any) -> Any:
 # ---------------------------------------------------------------------------------------- validation
 def env_world_size() -> int:
     """World size from torchrun's environment (1 without torchrun); read before any process group exists."""
-    import os
-
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def validate(cfg: Config, world_size: int) -> None:
+def validate(cfg: Config, world_size: int, *, local_files: bool = True) -> None:
     """Check `cfg` for `world_size` ranks; raise ConfigError on the first violation.
 
     Order: the world size itself, each section's own rules (its `check`, sections in declaration order),
-    then the rules relating several sections or the world size.
+    then the rules relating several sections or the world size. With `local_files` (everything but a
+    `--dry-run`, which plans a job for another machine) also what must exist here: each section's
+    `check_files` (model, data, prompt template, reward file, resume directory) and the training set's size
+    against the batch.
     """
     _require(world_size >= 1, f"world size must be >= 1, got {world_size}")
-    _check_sections(cfg, "")
+    _check_sections(cfg, "", "check")
     _check_batch_split(cfg, world_size)
     _check_dapo(cfg)
+    _check_across_sections(cfg)
+    if local_files:
+        _check_sections(cfg, "", "check_files")
+        _check_data_size(cfg)
 
 
-def _check_sections(section: Any, prefix: str) -> None:
-    """`section.check(prefix)` where the section has one, then the same for its subsections, depth first."""
-    if hasattr(section, "check"):
-        section.check(prefix)
+def _check_sections(section: Any, prefix: str, method: str) -> None:
+    """`section.<method>(prefix)` where the section has one, then the same for its subsections, depth first."""
+    if hasattr(section, method):
+        getattr(section, method)(prefix)
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         if dataclasses.is_dataclass(value):
-            _check_sections(value, f"{prefix}{f.name}.")
+            _check_sections(value, f"{prefix}{f.name}.", method)
+
+
+BUILTIN_REWARD_KEYS = ("overall", "accuracy", "format")
+"""The keys the built-in rewards return (what algorithm.filter_groups.metric may name with them)."""
+
+
+def _check_across_sections(cfg: Config) -> None:
+    """Settings that are only wrong together: validation without a validation set, a DAPO metric the
+    built-in reward does not return."""
+    t, d = cfg.trainer, cfg.data
+    _require(
+        d.val_files is not None or (t.val_freq == -1 and not t.val_before_train),
+        f"trainer.val_freq ({t.val_freq}) / trainer.val_before_train ({t.val_before_train}) ask for "
+        "validation but data.val_files is not set (set it, or val_freq=-1 and val_before_train=false)",
+    )
+    fg = cfg.algorithm.filter_groups
+    _require(
+        not fg.enable
+        or cfg.worker.reward.reward_function not in BUILTIN_REWARDS
+        or fg.metric in BUILTIN_REWARD_KEYS,
+        f"algorithm.filter_groups.metric must be one of {', '.join(BUILTIN_REWARD_KEYS)} with the built-in "
+        f"reward {cfg.worker.reward.reward_function!r}, got {fg.metric!r}",
+    )
+
+
+def _check_data_size(cfg: Config) -> None:
+    """The training set (counted from parquet footers, or the builtin size) holds one rollout batch; a hub
+    data set is counted when it loads."""
+    d = cfg.data
+    try:
+        rows = count_rows(d.train_files, d.num_builtin_examples)
+    except ConfigError as e:
+        raise ConfigError(f"data.train_files: {e}") from None
+    _require(
+        rows is None or rows >= d.rollout_batch_size,
+        f"data.rollout_batch_size ({d.rollout_batch_size}) must be <= the rows of data.train_files "
+        f"({rows} in {d.train_files})",
+    )
 
 
 def _check_batch_split(cfg: Config, world_size: int) -> None:
@@ -600,7 +955,7 @@ def _check_dapo(cfg: Config) -> None:
     d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
     fg = cfg.algorithm.filter_groups
     if fg.enable:
-        target = fg.train_batch_size if fg.train_batch_size > 0 else d.rollout_batch_size
+        target = fg.num_train_groups(d.rollout_batch_size)
         _require(
             target * r.n % a.global_batch_size == 0,
             f"algorithm.filter_groups.train_batch_size * worker.rollout.n ({target * r.n}) must be divisible by "

@@ -69,7 +69,7 @@ from typing import Any, NamedTuple
 
 from PIL import Image
 
-from spmd_grpo.config import DataConfig
+from spmd_grpo.config import BUILTIN_DATASETS, HUB_ID, DataConfig
 from spmd_grpo.tools.synthetic_data import color_task_examples, synthetic_geo3k_rows
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,6 @@ IMAGE_FACTOR = 28  # Qwen2.5-VL: patch 14 x spatial merge 2; one image token per
 ROW_BATCH = 64  # rows converted to Python at a time while checking
 LARGE_ROW_GROUP_BYTES = 256 << 20  # an image column chunk above this is warned about (read whole per access)
 _BYTESIO_REPR = re.compile(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>")
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\[\]:%+-]+)?$")
 
 AllGather = Callable[[Any], list]
 """Every rank's object, in rank order (`distributed.all_gather_objects`); [obj] in a single process."""
@@ -358,6 +357,7 @@ def _open_sources(source: str, cfg: DataConfig, split: str) -> list[_Rows]:
     if source.startswith("builtin:"):
         task = source.removeprefix("builtin:")
         makers = {"color": color_task_examples, "geo3k": synthetic_geo3k_rows}
+        assert set(makers) == set(BUILTIN_DATASETS), "config.BUILTIN_DATASETS lists other tasks"
         if task not in makers:
             raise ValueError(
                 f"unknown builtin dataset {source!r}; available: {sorted('builtin:' + k for k in makers)}"
@@ -372,7 +372,7 @@ def _open_sources(source: str, cfg: DataConfig, split: str) -> list[_Rows]:
         for file in files:
             out.append(_ParquetRows(file, cfg, cache, sum(s.num_rows for s in out)))
         return out
-    if _HUB_ID.match(source):
+    if HUB_ID.match(source):
         name, _, hub_split = source.partition("@")
         hub_split = hub_split or split
         try:

@@ -39,7 +39,7 @@ def collect_groups(
     Metrics: `train/gen_score/*` (the score of everything generated: the kept batch has spread by
     construction), `train/num_gen_batches`, `train/kept_group_frac`.
     """
-    target = cfg.train_batch_size if cfg.train_batch_size > 0 else rollout_batch_size
+    target = cfg.num_train_groups(rollout_batch_size)
     samples: list[Sample] = []
     generated_scores: list[float] = []
     num_gen_batches = 0

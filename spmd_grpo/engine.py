@@ -146,6 +146,38 @@ class EngineStats:
     last_sync_bytes: int = 0
 
 
+def llm_kwargs(
+    model_path: str,
+    cfg: RolloutConfig,
+    *,
+    trust_remote_code: bool,
+    max_model_len: int,
+    min_pixels: int,
+    max_pixels: int,
+) -> dict:
+    """The `vllm.LLM` arguments that come from the config alone (the engine adds the rank's seed, the dtype,
+    sleep mode and the logits processor)."""
+    # Seeded requests + chunked prefill crash on CPU ("CPU Generator does not use offset"); with chunked
+    # prefill off, one scheduler step must hold the largest prompt.
+    return dict(
+        model=model_path,
+        trust_remote_code=trust_remote_code,  # worker.actor.model.trust_remote_code, as transformers gets it
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+        load_format="dummy",  # the weights come from the policy (first `rollout_mode`), not from disk
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
+        max_num_seqs=cfg.max_num_seqs,
+        enable_chunked_prefill=False,
+        limit_mm_per_prompt={"image": cfg.limit_images, "video": 0},
+        # `size`, not min_pixels/max_pixels: transformers deprecates those as per-call processor kwargs.
+        mm_processor_kwargs={"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
+        logprobs_mode="processed_logprobs",
+    )
+
+
 class RolloutEngine:
     """One vLLM engine per rank, driven in-process (no Ray, no server)."""
 
@@ -161,6 +193,7 @@ class RolloutEngine:
         max_pixels: int,
         seed: int,
         tie_word_embeddings: bool,
+        trust_remote_code: bool = False,
     ) -> None:
         from vllm import LLM
 
@@ -174,26 +207,18 @@ class RolloutEngine:
         if world.device_type == "cpu":
             # vLLM's CPU backend sizes its KV cache from this variable instead of a memory fraction.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_memory_gb))))
-        # Seeded requests + chunked prefill crash on CPU ("CPU Generator does not use offset"); with chunked
-        # prefill off, one scheduler step must hold the largest prompt.
         self.llm = LLM(
-            model=model_path,
-            distributed_executor_backend="external_launcher",
-            tensor_parallel_size=self.tp,
+            **llm_kwargs(
+                model_path,
+                cfg,
+                trust_remote_code=trust_remote_code,
+                max_model_len=max_model_len,
+                min_pixels=min_pixels,
+                max_pixels=max_pixels,
+            ),
             seed=seed + world.rank // self.tp,
             dtype=dtype,
-            enforce_eager=cfg.enforce_eager,
-            load_format="dummy",  # the weights come from the policy (first `rollout_mode`), not from disk
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_sleep_mode=self.sleep_enabled,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
-            max_num_seqs=cfg.max_num_seqs,
-            enable_chunked_prefill=False,
-            limit_mm_per_prompt={"image": cfg.limit_images, "video": 0},
-            # `size`, not min_pixels/max_pixels: transformers deprecates those as per-call processor kwargs.
-            mm_processor_kwargs={"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
-            logprobs_mode="processed_logprobs",
             logits_processors=[_make_suppress_processor()],
             **_host_side_image_normalisation(),
         )

@@ -118,13 +118,22 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
     return model
 
 
-def meta_hf_model(path: Path, dtype: torch.dtype) -> nn.Module:
-    """The HF model of the config in `path`, every parameter and buffer on the meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+def hf_config(path: Path, *, trust_remote_code: bool):
+    """The transformers config in `path` (`trust_remote_code`: a checkpoint's own configuration code may run)."""
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def meta_hf_model(path: Path, dtype: torch.dtype, *, trust_remote_code: bool = False) -> nn.Module:
+    """The HF model of the config in `path`, every parameter and buffer on the meta device (no memory)."""
+    from transformers import AutoModelForImageTextToText
+
+    config = hf_config(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForImageTextToText.from_config(
+            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+        )
 
 
 def init_non_persistent_buffers(hf_model: nn.Module, device: torch.device) -> None:
@@ -161,7 +170,7 @@ def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offlo
 def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, training: bool) -> PolicyModule:
     """PolicyModule of `cfg.model` in `dtype`, sharded with `cfg.fsdp` and filled from the checkpoint."""
     path = model_dir(cfg.model.model_path, world)
-    hf = meta_hf_model(path, dtype)
+    hf = meta_hf_model(path, dtype, trust_remote_code=cfg.model.trust_remote_code)
     if training and cfg.model.freeze_vision_tower:
         hf.model.visual.requires_grad_(False)
     if training and cfg.model.enable_gradient_checkpointing:

@@ -52,14 +52,16 @@ def _reference_dtype(cfg: Config) -> str:
     return "bfloat16" if name == "auto" else name
 
 
-def model_config(model_path: str):
+def model_config(model_path: str, *, trust_remote_code: bool = False):
     """The HF config from a local dir or the hub; else the published architecture of a known id."""
     from transformers import AutoConfig, Qwen2_5_VLConfig
 
     # A dry run must answer in seconds: a known id never waits on the hub (local HF cache only).
     try:
         return AutoConfig.from_pretrained(
-            model_path, local_files_only=model_path in KNOWN_ARCHITECTURES
+            model_path,
+            local_files_only=model_path in KNOWN_ARCHITECTURES,
+            trust_remote_code=trust_remote_code,
         ), "loaded"
     except Exception as e:  # offline, not cached, or not a local directory
         if model_path not in KNOWN_ARCHITECTURES:
@@ -142,16 +144,16 @@ def _batches(cfg: Config, world: int) -> _Batches:
         mini_per_rank=mini_per_rank,
         num_mini=samples_per_rank // mini_per_rank,
         micro_per_mini=mini_per_rank // a.micro_batch_size_per_device_for_update,
-        seq=d.max_prompt_length + d.max_response_length,
+        seq=cfg.max_model_len,
     )
 
 
 def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: float = 80.0) -> str:
     """The plan of `cfg` on nnodes x nproc_per_node devices of device_memory_gb each, as printable lines."""
     world = nnodes * nproc_per_node
-    validate(cfg, world)
+    validate(cfg, world, local_files=False)  # planned for another machine: its files need not be here
     a = cfg.worker.actor
-    hf_config, source = model_config(a.model.model_path)
+    hf_config, source = model_config(a.model.model_path, trust_remote_code=a.model.trust_remote_code)
     model = _count_parameters(hf_config)
     b = _batches(cfg, world)
     lines = [

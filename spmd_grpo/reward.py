@@ -8,7 +8,8 @@ the same keys, among them `overall` (the score used for advantages; the other ke
 
 Papers and sources:
 - Geometry3k math reward: verl `verl/utils/reward_score/geo3k.py` and EasyR1
-  `examples/reward_function/math.py`: overall = (1 - w) * accuracy + w * format, w = 0.1.
+  `examples/reward_function/math.py`: overall = (1 - w) * accuracy + w * format, w =
+  `worker.reward.format_weight` (0.1, as both).
 - Overlong reward shaping: DAPO, Yu et al. 2025 (arXiv:2503.14476), "soft overlong punishment".
 
 Deviations:
@@ -22,6 +23,7 @@ Deviations:
   longer than max_response_length (which the sampler's length limit prevents anyway).
 """
 
+import functools
 import importlib.util
 import math
 import numbers
@@ -94,16 +96,21 @@ def color_reward(samples: list[dict[str, Any]], format_weight: float = 0.1) -> l
 _BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "color": color_reward}
 
 
-def load_reward_function(spec: str) -> RewardFn:
-    """Resolve a reward spec: "math" (built-in) or "path/to/file.py:function_name" (a user batch function)."""
+def load_reward_function(spec: str, format_weight: float = 0.1) -> RewardFn:
+    """Resolve a reward spec: a built-in name ("math", "color"), whose overall weighs format by
+    `format_weight` (`worker.reward.format_weight`), or "path/to/file.py:function_name" (a user batch
+    function, which computes its own overall)."""
     if spec in _BUILTIN_REWARDS:
-        return _BUILTIN_REWARDS[spec]
+        if not 0.0 <= format_weight <= 1.0:
+            raise ValueError(f"format_weight must be in [0, 1], got {format_weight}")
+        builtin = _BUILTIN_REWARDS[spec]
+        return functools.update_wrapper(functools.partial(builtin, format_weight=format_weight), builtin)
     path_str, sep, fn_name = spec.rpartition(":")
     if not sep or not path_str or not fn_name:
         raise ValueError(
             f"reward function spec {spec!r} must be one of {sorted(_BUILTIN_REWARDS)} or 'path/to/file.py:fn_name'"
         )
-    path = Path(path_str)
+    path = Path(path_str).expanduser()
     if not path.is_file():
         raise ValueError(f"reward function spec {spec!r}: file {str(path)!r} does not exist")
     # A unique module name per file, registered in sys.modules before exec: dataclasses and pickling in the

@@ -1,16 +1,17 @@
 """GRPO for Qwen2.5-VL as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
 
 This entry point parses the command line, loads and validates the config against the world size from
-torchrun's environment BEFORE any process group or model exists (a config error prints one line on stderr
-and exits with code 2), then either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step
-is described in trainer.py).
+torchrun's environment BEFORE any process group or model exists (values, paths that must exist, the data
+set's size; a user reward file is imported), where a config error prints one line on stderr and exits with
+code 2; then it either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step is described
+in trainer.py).
 """
 
 from __future__ import annotations
 
 import sys
 
-from .config import ConfigError, env_world_size, load_config, validate
+from .config import BUILTIN_REWARDS, Config, ConfigError, env_world_size, load_config, validate
 from .versions import VersionError, check_versions
 
 DRY_RUN_OPTIONS = ("--nnodes", "--nproc-per-node", "--device-memory-gb")
@@ -43,6 +44,20 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], dict[str, int] |
     return path, rest[1:] if path is not None else rest, dry_run
 
 
+def check_reward_imports(cfg: Config) -> None:
+    """Import a `path/file.py:fn` reward now (running the user's module), so that a failing import or a
+    name that is not callable stops the job here rather than after the model and vLLM have loaded."""
+    spec = cfg.worker.reward.reward_function
+    if spec in BUILTIN_REWARDS:
+        return
+    from .reward import load_reward_function
+
+    try:
+        load_reward_function(spec)
+    except ValueError as e:
+        raise ConfigError(f"worker.reward.reward_function: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -55,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             print(plan(cfg, nnodes, nproc, dry_run.get("device_memory_gb", 80)))
             return
         validate(cfg, env_world_size())
+        check_reward_imports(cfg)
         check_versions()
     except (ConfigError, ValueError, VersionError) as e:
         kind = "version" if isinstance(e, VersionError) else "config"

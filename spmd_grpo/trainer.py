@@ -85,6 +85,7 @@ class Trainer:
         self.processor = AutoProcessor.from_pretrained(
             actor.model.tokenizer_path or actor.model.model_path,
             size={"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels},
+            trust_remote_code=actor.model.trust_remote_code,
         )
         shard = dict(rank=world.rank, world_size=world.world_size, all_gather=D.all_gather_objects)
         self.dataset = load_dataset(
@@ -101,13 +102,15 @@ class Trainer:
             seed=d.seed,
             shuffle=d.shuffle,
         )
-        self.total_steps = cfg.trainer.max_steps or cfg.trainer.total_epochs * self.sampler.steps_per_epoch
+        self.total_steps = cfg.total_steps(self.sampler.steps_per_epoch)
         self.policy = build_policy(actor, world)
         self.optim = build_optimizer(self.policy, actor.optim, self.total_steps)
         self.reference = build_reference(actor, cfg.worker.ref, world) if cfg.algorithm.use_kl_loss else None
         self.tp_group = D.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
         self.engine = self._build_engine()
-        self.reward_fn = load_reward_function(cfg.worker.reward.reward_function)
+        self.reward_fn = load_reward_function(
+            cfg.worker.reward.reward_function, cfg.worker.reward.format_weight
+        )
         self.sampling, self.val_sampling = self._sampling_configs()
         self.spec = UpdateSpec.from_config(
             cfg, world_size=world.world_size, pad_token_id=self.processor.tokenizer.pad_token_id
@@ -120,12 +123,13 @@ class Trainer:
             self.cfg.worker.actor.model.model_path,
             rollout,
             self.world,
-            max_model_len=d.max_prompt_length + d.max_response_length,
+            max_model_len=self.cfg.max_model_len,
             dtype=resolve_dtype(rollout.dtype, self.world.device_type),
             min_pixels=d.min_pixels,
             max_pixels=d.max_pixels,
             seed=self.cfg.trainer.seed,
             tie_word_embeddings=bool(self.policy.config.tie_word_embeddings),
+            trust_remote_code=self.cfg.worker.actor.model.trust_remote_code,
         )
 
     def _sampling_configs(self) -> tuple[SamplingConfig, SamplingConfig]:
@@ -295,10 +299,7 @@ class Trainer:
 
     def compute_advantages(self, samples: list[Sample]) -> dict[str, float]:
         """Set every sample's `advantage` from its group's statistics over all ranks; returns adv/ metrics."""
-        alg, fg = self.cfg.algorithm, self.cfg.algorithm.filter_groups
-        num_groups = self.cfg.data.rollout_batch_size
-        if fg.enable and fg.train_batch_size > 0:
-            num_groups = fg.train_batch_size
+        alg, num_groups = self.cfg.algorithm, self.cfg.num_train_groups
         scores = torch.tensor([s.scores["overall"] for s in samples])
         group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
         kwargs = dict(eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum)

@@ -1,10 +1,12 @@
 """Config: strict keys and types, dotted overrides, cross-field rules, and the CLI's exit code 2."""
 
+import ast
 import dataclasses
 import os
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -97,15 +99,115 @@ def test_cross_field_rules(overrides, world, message):
     assert message in str(e.value)
 
 
-def test_every_shipped_config_validates():
+def test_every_shipped_config_validates(tmp_path, monkeypatch):
+    """Hub ids (model, data set) are accepted as they are; a local model path must hold config.json."""
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(REPO)  # the configs name their prompt template relative to the repository root
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     configs = sorted((REPO / "configs").glob("*.yaml"))
     assert configs, "no configs shipped"
     for path in configs:
         cfg = load_config(path)
         if not cfg.worker.actor.model.model_path:  # smoke.yaml: filled in by spmd_grpo.smoke
-            cfg = load_config(path, BASE)
+            cfg = load_config(path, [f"worker.actor.model.model_path={tmp_path}"])
         world = cfg.worker.rollout.tensor_parallel_size * 4
         validate(cfg, world if "smoke" not in path.name else 2)
+
+
+def test_duplicate_yaml_keys_name_the_key_file_and_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("worker:\n  rollout:\n    n: 4\n    temperature: 1.0\n    n: 8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (
+        f"{path}: duplicate key 'n' at line 5 (first at line 3); a key may appear once per section"
+    )
+    with pytest.raises(ConfigError, match="command-line override: duplicate key 'n'"):
+        load_config(None, ["worker.rollout={n: 4, n: 8}"])
+
+
+@pytest.mark.parametrize("text", [".nan", ".inf", "-.inf", "nan", "inf", "1e999"])
+def test_floats_must_be_finite_everywhere(text):
+    for key in ("worker.actor.optim.lr", "algorithm.rollout_correction.rollout_rs_threshold_lower"):
+        with pytest.raises(ConfigError, match=f"^{key}: must be a finite number, got"):
+            load_config(None, [f"{key}={text}"])
+
+
+def test_hub_ids_and_local_paths(tmp_path, monkeypatch):
+    """`owner/name` is a hub id unless `owner` is a local directory; offline, the hub cache must hold it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    key = "worker.actor.model.model_path"
+
+    def check(model_path):
+        validate(load_config(None, [f"{key}={model_path}", "data.train_files=builtin:color"]), 1)
+
+    check("Qwen/Qwen2.5-VL-7B-Instruct")
+    (tmp_path / "models").mkdir()
+    with pytest.raises(
+        ConfigError, match=f"^{key} must be an existing checkpoint directory .* no such directory"
+    ):
+        check("models/qwen")  # `models/` is here: a local path that does not exist, not a hub id
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
+        check("Qwen/Qwen2.5-VL-7B-Instruct")
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-VL-7B-Instruct" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    check("Qwen/Qwen2.5-VL-7B-Instruct")
+
+
+def test_derived_values_in_one_place():
+    cfg = load_config(
+        None,
+        [*BASE, "data.max_prompt_length=100", "data.max_response_length=28", "data.rollout_batch_size=8"],
+    )
+    assert cfg.max_model_len == 128 and cfg.num_train_groups == 8 and cfg.total_steps(5) == 5
+    dapo = load_config(
+        None,
+        [
+            *BASE,
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.train_batch_size=4",
+            "trainer.max_steps=3",
+        ],
+    )
+    assert dapo.num_train_groups == 4 and dapo.total_steps(5) == 3
+    off = load_config(None, [*BASE, "algorithm.filter_groups.train_batch_size=4"])
+    assert off.num_train_groups == off.data.rollout_batch_size  # train_batch_size counts only with DAPO on
+
+
+def _attributes_read(tree: ast.AST, skip_functions: tuple[str, ...] = ()) -> set[str]:
+    """Names of every `x.name` in `tree`, outside functions whose name starts with one of `skip_functions`."""
+    out = set()
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef) and node.name.startswith(skip_functions):
+            continue
+        if isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        out |= _attributes_read(node, skip_functions)
+    return out
+
+
+def test_every_field_is_read_by_the_package():
+    """A config field nothing reads but its own validation is a setting that silently does nothing."""
+    read = set()
+    for path in (REPO / "spmd_grpo").rglob("*.py"):
+        skip = ("check", "_check", "_require") if path.name == "config.py" else ()
+        read |= _attributes_read(ast.parse(path.read_text()), skip)
+    unread = []
+
+    def walk(cls):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name])
+            elif f.name not in read:
+                unread.append(f"{cls.__name__}.{f.name}")
+
+    walk(Config)
+    assert not unread
 
 
 def _run_cli(tmp_path, argv, world_size):

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from spmd_grpo.config import BUILTIN_REWARDS
 from spmd_grpo.reward import (
+    _BUILTIN_REWARDS,
     RewardError,
     load_reward_function,
     math_reward,
@@ -46,8 +48,27 @@ def test_math_reward_format_weight():
 # ---- loading ------------------------------------------------------------------------------------------------
 
 
+def test_builtin_rewards_apply_the_configured_format_weight():
+    """worker.reward.format_weight reaches the built-in rewards: overall = (1 - w) * accuracy + w * format."""
+    right_no_format, format_only = sample("\\boxed{4}"), sample("<think>x</think>\\boxed{5}")
+    for w in (0.0, 0.1, 0.5):
+        math = load_reward_function("math", format_weight=w)
+        assert [r["overall"] for r in math([right_no_format, format_only])] == [
+            pytest.approx(1 - w),
+            pytest.approx(w),
+        ]
+        (color,) = load_reward_function("color", format_weight=w)([sample("x 3", ground_truth="3")])
+        assert color == {"overall": pytest.approx(1 - w), "format": 0.0, "accuracy": 1.0}
+    assert load_reward_function("math").__qualname__ == "math_reward"  # named in reward errors
+    with pytest.raises(ValueError, match="format_weight must be in"):
+        load_reward_function("math", format_weight=1.5)
+
+
+def test_builtin_names_agree_with_the_config():
+    assert set(_BUILTIN_REWARDS) == set(BUILTIN_REWARDS)
+
+
 def test_load_builtin_and_user_file(tmp_path):
-    assert load_reward_function("math") is math_reward
     path = tmp_path / "my_reward.py"
     path.write_text(
         "from dataclasses import dataclass\n"

@@ -53,8 +53,10 @@ def test_cli_stops_before_any_work(tmp_path):
     dist = tmp_path / "vllm-0.11.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.11.0\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")  # the config is valid: the version stops the job
     proc = subprocess.run(
-        [sys.executable, "-m", "spmd_grpo.train", "configs/smoke.yaml", "worker.actor.model.model_path=/x"],
+        [sys.executable, "-m", "spmd_grpo.train", "configs/smoke.yaml", f"worker.actor.model.model_path={tmp_path / 'model'}"],
         cwd=REPO, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr

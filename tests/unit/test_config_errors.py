@@ -1,0 +1,241 @@
+"""Config mistakes a new user makes, through the real entry point (`spmd_grpo.train.main`), in-process: each
+must stop before any process group or model exists, with exit code 2 and one stderr line naming the key.
+
+The trainer module is replaced by one whose `run` fails the test: reaching it means the mistake got past
+validation (on a cluster: to a traceback after the model and vLLM had loaded). `test_the_base_config_reaches_
+the_trainer` shows the base config itself is valid, so each row fails for its own override only.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from spmd_grpo import train
+from spmd_grpo.config import ConfigError, load_config, validate
+
+NUM_TRAIN_ROWS = 8
+
+
+class ReachedTrainer(Exception):
+    """Raised by the stand-in `spmd_grpo.trainer.run`: validation let the config through."""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    """A valid world-2 config (`base.yaml`) and the real files its overrides point at."""
+    root = tmp_path_factory.mktemp("config_errors")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text("{}")
+    (root / "empty").mkdir()
+    table = pa.table({"problem": ["<image>1+1?"] * NUM_TRAIN_ROWS, "answer": ["2"] * NUM_TRAIN_ROWS})
+    pq.write_table(table, root / "train.parquet")
+    (root / "not_parquet.parquet").write_bytes(b"not a parquet file")
+    (root / "reward.py").write_text(
+        "def my_reward(samples):\n    return [{'overall': 0.0} for _ in samples]\n"
+    )
+    (root / "broken_import.py").write_text("import no_such_module_xyz\n\ndef fn(samples):\n    return []\n")
+    (root / "not_callable.py").write_text("fn = 3\n")
+    (root / "syntax_error.py").write_text("def fn(:\n")
+    (root / "run" / "checkpoints").mkdir(parents=True)
+    (root / "base.yaml").write_text(
+        f"data:\n  train_files: {root / 'train.parquet'}\n  val_files: builtin:color\n"
+        "  rollout_batch_size: 4\n"
+        "worker:\n  actor:\n    model:\n      model_path: " + str(root / "model") + "\n"
+        "    global_batch_size: 8\n    micro_batch_size_per_device_for_update: 2\n"
+        "  rollout:\n    n: 2\n"
+    )
+    return root
+
+
+@pytest.fixture
+def cli(files, monkeypatch, capsys):
+    """`cli(overrides)` -> (exit code, stderr lines) of `train.main([base.yaml, *overrides])` at world 2."""
+    stand_in = types.ModuleType("spmd_grpo.trainer")
+
+    def run(cfg):
+        raise ReachedTrainer
+
+    stand_in.run = run
+    monkeypatch.setitem(sys.modules, "spmd_grpo.trainer", stand_in)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.chdir(files)
+
+    def call(overrides: list[str]) -> tuple[int, list[str]]:
+        with pytest.raises(SystemExit) as e:
+            train.main([str(files / "base.yaml"), *(o.replace("ROOT", str(files)) for o in overrides)])
+        return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+    return call
+
+
+A = "worker.actor."
+R = "worker.rollout."
+T = "trainer."
+# (overrides, the key the one-line message must name); ROOT is the fixture's directory.
+FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does not look)
+    (["data.train_files=ROOT/missing.parquet"], "data.train_files"),
+    (["data.train_files=ROOT/empty"], "data.train_files"),
+    (["data.train_files=ROOT/not_parquet.parquet"], "data.train_files"),
+    (["data.val_files=./val_missing"], "data.val_files"),
+    (["data.rollout_batch_size=16"], "data.rollout_batch_size"),  # > the 8 rows of train.parquet
+    (["data.format_prompt=ROOT/missing.jinja"], "data.format_prompt"),
+    (["worker.actor.model.model_path=ROOT/missing_model"], "worker.actor.model.model_path"),
+    (["worker.actor.model.model_path=ROOT/empty"], "worker.actor.model.model_path"),  # no config.json
+    (["worker.actor.model.tokenizer_path=./tokenizer_missing"], "worker.actor.model.tokenizer_path"),
+    (["worker.reward.reward_function=ROOT/missing.py:fn"], "worker.reward.reward_function"),
+    (["worker.reward.reward_function=ROOT/reward.py:nope"], "worker.reward.reward_function"),
+    (["worker.reward.reward_function=ROOT/broken_import.py:fn"], "worker.reward.reward_function"),
+    (["worker.reward.reward_function=ROOT/not_callable.py:fn"], "worker.reward.reward_function"),
+    (["worker.reward.reward_function=ROOT/syntax_error.py:fn"], "worker.reward.reward_function"),
+    (["trainer.resume=ROOT/run/checkpoints/global_step_7"], "trainer.resume"),
+]
+VALUE_ROWS = [
+    # data
+    (["data.train_files=builtin:colour"], "data.train_files"),
+    (["data.train_files="], "data.train_files"),
+    (["data.val_files=builtin:nope"], "data.val_files"),
+    (["data.max_prompt_length=0"], "data.max_prompt_length"),
+    (["data.max_response_length=-1"], "data.max_response_length"),
+    (["data.rollout_batch_size=0"], "data.rollout_batch_size"),
+    (["data.min_pixels=0"], "data.min_pixels"),
+    (["data.max_pixels=100"], "data.max_pixels"),
+    (["data.max_bad_fraction=1.5"], "data.max_bad_fraction"),
+    (["data.max_bad_fraction=.nan"], "data.max_bad_fraction"),
+    (["data.val_max_samples=0"], "data.val_max_samples"),
+    (["data.seed=-1"], "data.seed"),
+    (["data.num_builtin_examples=0"], "data.num_builtin_examples"),
+    (["data.prompt_key="], "data.prompt_key"),
+    (["data.val_batch_size=8"], "data.val_batch_size"),  # removed: nothing read it
+    # algorithm
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
+    (["algorithm.adv_eps=0"], "algorithm.adv_eps"),
+    (["algorithm.kl_coef=-0.01"], "algorithm.kl_coef"),
+    (["algorithm.kl_coef=.inf"], "algorithm.kl_coef"),
+    (["algorithm.kl_penalty=k4"], "algorithm.kl_penalty"),
+    (
+        ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
+        "algorithm.filter_groups.metric",
+    ),
+    (["algorithm.filter_groups.train_batch_size=0"], "algorithm.filter_groups.train_batch_size"),
+    (["algorithm.overlong_buffer.penalty_factor=-1"], "algorithm.overlong_buffer.penalty_factor"),
+    (
+        ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.length=0"],
+        "algorithm.overlong_buffer.length",
+    ),
+    (["algorithm.rollout_correction.rollout_is=seq"], "algorithm.rollout_correction.rollout_is"),
+    (
+        ["algorithm.rollout_correction.rollout_rs_threshold_lower=1.5"],
+        "algorithm.rollout_correction.rollout_rs_threshold_lower",
+    ),
+    # worker.actor: the model, the optimizer, the update
+    ([f"{A}model.model_path="], f"{A}model.model_path"),
+    ([f"{A}optim.lr=-1e-6"], f"{A}optim.lr"),
+    ([f"{A}optim.lr=0"], f"{A}optim.lr"),
+    ([f"{A}optim.lr=nan"], f"{A}optim.lr"),
+    ([f"{A}optim.betas=[0.9,1.5]"], f"{A}optim.betas"),
+    ([f"{A}optim.betas=[0.9]"], f"{A}optim.betas"),
+    ([f"{A}optim.weight_decay=-0.1"], f"{A}optim.weight_decay"),
+    ([f"{A}optim.lr_warmup_steps=-1"], f"{A}optim.lr_warmup_steps"),
+    ([f"{A}optim.min_lr_ratio=2"], f"{A}optim.min_lr_ratio"),
+    ([f"{A}optim.lr_scheduler=linear"], f"{A}optim.lr_scheduler"),
+    ([f"{A}max_grad_norm=-1"], f"{A}max_grad_norm"),
+    ([f"{A}max_grad_norm=0"], f"{A}max_grad_norm"),
+    ([f"{A}entropy_coef=-0.1"], f"{A}entropy_coef"),
+    ([f"{A}clip_ratio_low=1.0"], f"{A}clip_ratio_low"),
+    ([f"{A}clip_ratio_high=-0.1"], f"{A}clip_ratio_high"),
+    ([f"{A}clip_ratio_dual=1.0"], f"{A}clip_ratio_dual"),
+    ([f"{A}ppo_epochs=0"], f"{A}ppo_epochs"),
+    ([f"{A}global_batch_size=6"], f"{A}global_batch_size"),
+    ([f"{A}micro_batch_size_per_device_for_update=3"], f"{A}micro_batch_size_per_device_for_update"),
+    ([f"{A}micro_batch_size_per_device_for_experience=0"], f"{A}micro_batch_size_per_device_for_experience"),
+    ([f"{A}logprob_chunk_size=0"], f"{A}logprob_chunk_size"),
+    ([f"{A}loss_agg_mode=sum"], f"{A}loss_agg_mode"),
+    ([f"{A}fsdp.param_dtype=fp8"], f"{A}fsdp.param_dtype"),
+    # worker.rollout
+    ([f"{R}top_k=-5"], f"{R}top_k"),
+    ([f"{R}top_k=-2"], f"{R}top_k"),
+    ([f"{R}max_num_seqs=0"], f"{R}max_num_seqs"),
+    ([f"{R}n=0"], f"{R}n"),
+    ([f"{R}temperature=0"], f"{R}temperature"),
+    ([f"{R}top_p=1.5"], f"{R}top_p"),
+    ([f"{R}gpu_memory_utilization=1.2"], f"{R}gpu_memory_utilization"),
+    ([f"{R}tensor_parallel_size=3"], f"{R}tensor_parallel_size"),
+    ([f"{R}sleep_level=3"], f"{R}sleep_level"),
+    ([f"{R}kv_cache_memory_gb=0"], f"{R}kv_cache_memory_gb"),
+    ([f"{R}limit_images=0"], f"{R}limit_images"),
+    ([f"{R}weight_sync_bucket_mb=0"], f"{R}weight_sync_bucket_mb"),
+    ([f"{R}temprature=0.7"], f"{R}temprature"),
+    ([f"{R}val_override.top_k=-5"], f"{R}val_override.top_k"),
+    ([f"{R}val_override.n=0"], f"{R}val_override.n"),
+    ([f"{R}val_override.temperature=-1"], f"{R}val_override.temperature"),
+    ([f"{R}val_override.temperature=0", f"{R}val_override.n=4"], f"{R}val_override.n"),
+    ([f"{R}val_override.top_p=0"], f"{R}val_override.top_p"),
+    # worker.reward
+    (["worker.reward.reward_function=maths"], "worker.reward.reward_function"),
+    (["worker.reward.format_weight=1.5"], "worker.reward.format_weight"),
+    (["worker.reward.format_weight=-0.1"], "worker.reward.format_weight"),
+    # trainer
+    ([f"{T}max_steps=0"], f"{T}max_steps"),
+    ([f"{T}max_steps=-1"], f"{T}max_steps"),
+    ([f"{T}log_every=0"], f"{T}log_every"),
+    ([f"{T}collective_timeout_s=0"], f"{T}collective_timeout_s"),
+    ([f"{T}preempt_grace_s=0"], f"{T}preempt_grace_s"),
+    ([f"{T}total_epochs=0"], f"{T}total_epochs"),
+    ([f"{T}val_freq=0"], f"{T}val_freq"),
+    ([f"{T}save_freq=0"], f"{T}save_freq"),
+    ([f"{T}save_limit=0"], f"{T}save_limit"),
+    ([f"{T}logger=[console,console]"], f"{T}logger"),
+    ([f"{T}device=tpu"], f"{T}device"),
+    ([f"{T}seed=-3"], f"{T}seed"),
+    ([f"{T}experiment_name="], f"{T}experiment_name"),
+    ([f"{T}val_generations_to_log=-1"], f"{T}val_generations_to_log"),
+    ([f"{T}val_freq=5", "data.val_files=null"], f"{T}val_freq"),  # validation without a validation set
+]
+
+
+BAD = FILE_ROWS + VALUE_ROWS
+
+
+def test_the_table_is_large_enough():
+    assert len(BAD) >= 60
+
+
+def test_the_base_config_reaches_the_trainer(cli, files):
+    """The control: without a bad override the stand-in trainer is reached (rows fail for their own key)."""
+    with pytest.raises(ReachedTrainer):
+        train.main([str(files / "base.yaml")])
+    with pytest.raises(ReachedTrainer):  # a user reward file that imports and defines its function
+        train.main(
+            [str(files / "base.yaml"), f"worker.reward.reward_function={files / 'reward.py'}:my_reward"]
+        )
+
+
+@pytest.mark.parametrize("overrides, key", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_exits_2_with_one_line_naming_the_key(cli, overrides, key):
+    code, lines = cli(overrides)  # the stand-in trainer raises ReachedTrainer if validation let it through
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("config error: "), lines
+    assert key in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("overrides, key", VALUE_ROWS, ids=[" ".join(o) for o, _ in VALUE_ROWS])
+def test_value_mistakes_are_caught_without_the_files(files, overrides, key):
+    """A `--dry-run` plans for another machine and skips the file checks; every other rule still holds."""
+    base = [
+        f"worker.actor.model.model_path={files / 'absent_here'}",
+        f"data.train_files={files / 'absent.parquet'}",
+    ]
+    cfg_path = files / "base.yaml"
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(cfg_path, [*base, *overrides]), 2, local_files=False)
+    assert key in str(e.value) and "\n" not in str(e.value)
+    validate(
+        load_config(cfg_path, base), 2, local_files=False
+    )  # the control: the base passes without its files
