@@ -1,8 +1,8 @@
-"""GRPO for Qwen2.5-VL as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
+"""GRPO for Qwen-VL models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
 
 This entry point parses the command line, loads and validates the config against the world size from
-torchrun's environment BEFORE any process group or model exists (a config error prints one line on stderr
-and exits with code 2), then either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step
+torchrun's environment BEFORE any process group or model exists (a config error, also a model whose family
+is not supported, prints one line on stderr and exits with code 2), then either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step
 is described in trainer.py).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from .config import ConfigError, env_world_size, load_config, validate
+from .families import family_of_model_path
 from .versions import VersionError, check_versions
 
 DRY_RUN_OPTIONS = ("--nnodes", "--nproc-per-node", "--device-memory-gb")
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
             print(plan(cfg, nnodes, nproc, dry_run.get("device_memory_gb", 80)))
             return
         validate(cfg, env_world_size())
+        family_of_model_path(cfg.worker.actor.model.model_path)
         check_versions()
     except (ConfigError, ValueError, VersionError) as e:
         kind = "version" if isinstance(e, VersionError) else "config"
