@@ -170,7 +170,7 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str = ""
-    """Local directory or HF hub id of a Qwen2.5-VL checkpoint."""
+    """Local directory or HF hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
     tokenizer_path: str | None = None
     trust_remote_code: bool = False
     freeze_vision_tower: bool = False
