@@ -351,7 +351,7 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str = ""
-    """Local directory (holding config.json) or HF hub id `owner/name` of a Qwen2.5-VL checkpoint."""
+    """Local directory or HF hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
     tokenizer_path: str | None = None
     """Where the processor (tokenizer + image processor) comes from; None = model_path."""
     trust_remote_code: bool = False

@@ -175,6 +175,19 @@ def _resized_size(image: Image.Image, cfg: DataConfig) -> tuple[int, int]:
     return width, height
 
 
+def _processor_size(size: tuple[int, int], cfg: DataConfig, factor: int) -> tuple[int, int]:
+    """(width, height) the processor gives an image of `size` (already resized here with factor 28): the same
+    for patch 14 (Qwen2-VL, Qwen2.5-VL); Qwen3-VL's patch 16 resizes again to multiples of 32."""
+    if factor == IMAGE_FACTOR:
+        return size
+    from qwen_vl_utils import smart_resize
+
+    height, width = smart_resize(
+        size[1], size[0], factor=factor, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels
+    )
+    return width, height
+
+
 def _resize(image: Image.Image, cfg: DataConfig) -> Image.Image:
     size = _resized_size(image, cfg)
     return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)
@@ -496,7 +509,9 @@ def _check_row(values: dict, source: _Rows, prompting: _Prompting) -> tuple[str,
         raise _BadRow(f"{num_markers} {IMAGE_MARKER} markers but {len(images)} images")
     expansion = 0
     for image in images:
-        width, height = _resized_size(_decode_image(image, source.base_dir), cfg)
+        width, height = _processor_size(
+            _resized_size(_decode_image(image, source.base_dir), cfg), cfg, factor
+        )
         expansion += (height // factor) * (width // factor) - 1
     prompt = prompting.processor.apply_chat_template(
         _messages(text, cfg), add_generation_prompt=True, tokenize=False

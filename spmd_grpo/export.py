@@ -10,9 +10,10 @@ so memory holds one shard, never the whole model. One shard is written as `model
 
 What is written:
   * the policy's parameters under their HF names (`spmd_grpo.engine.hf_name`: no `hf.` prefix, no
-    activation-checkpoint wrapper names). When the source checkpoint uses transformers' on-disk Qwen2-VL names
-    (`model.layers.*`, `visual.*`, what `save_pretrained` writes), the same names are used, so every tool that
-    read the source reads the export; otherwise the in-memory names (`model.language_model.*`).
+    activation-checkpoint wrapper names). When the source checkpoint uses its family's on-disk names
+    (Qwen2-VL / Qwen2.5-VL: `model.layers.*`, `visual.*`, what `save_pretrained` writes), the same names are
+    used, so every tool that read the source reads the export; otherwise the in-memory names
+    (`model.language_model.*`, what Qwen3-VL checkpoints hold).
   * no `lm_head.weight` when the config ties word embeddings (transformers and vLLM re-tie it).
   * no optimizer state (DCP keys under `optim.`).
   * `config.json` (its dtype set to the export dtype), `generation_config.json` and the tokenizer/processor
@@ -37,7 +38,8 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from .checkpoint import TRAINER_STATE, missing_parts
 from .engine import hf_name
-from .hf_weights import INDEX, on_disk_name
+from .families import family_of_model_path
+from .hf_weights import INDEX
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +80,12 @@ def _source_weight_names(src: Path) -> set[str] | None:
     return names
 
 
-def _match_source_naming(names: list[str], source: set[str] | None) -> list[str]:
+def _match_source_naming(names: list[str], source: set[str] | None, src: Path) -> list[str]:
+    """The in-memory names if the base checkpoint uses them (Qwen3-VL), else the family's on-disk names."""
     if source is None or set(names) <= source:
         return names
-    on_disk = [on_disk_name(n) for n in names]
+    family = family_of_model_path(str(src))
+    on_disk = [family.on_disk_name(n) for n in names] if family else names
     if set(on_disk) <= source:
         return on_disk
     log.warning("parameter names match neither naming of the base checkpoint; writing in-memory names")
@@ -187,7 +191,7 @@ def _model_entries(ckpt: Path, src: Path, *, tie: bool) -> list[tuple[str, str, 
     assert len(named) == len(keys), "two checkpoint entries map to one HF name"
     if tie:
         named.pop("lm_head.weight", None)  # re-tied to the embeddings on load
-    names = _match_source_naming(list(named), _source_weight_names(src))
+    names = _match_source_naming(list(named), _source_weight_names(src), src)
     entries = [(k, n, metadata[k]) for k, n in zip(named.values(), names, strict=True)]
     if not entries:
         raise ValueError(f"{ckpt} holds no model tensors (DCP keys starting with {MODEL_PREFIX!r})")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -53,20 +53,6 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-def on_disk_name(name: str) -> str:
-    """transformers' on-disk Qwen2-VL / Qwen2.5-VL name of an in-memory parameter name.
-
-    transformers >= 4.52 nests the language model and the vision tower under `model.` in memory
-    (`model.language_model.layers.*`, `model.visual.*`) but saves the older layout (`model.layers.*`,
-    `visual.*`, `lm_head.weight`).
-    """
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    if name.startswith("model.visual."):
-        return name.removeprefix("model.")
-    return name
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -199,17 +185,19 @@ def _check_against_checkpoint(
             )
 
 
-def load_safetensors_into(state: Mapping[str, torch.Tensor], model_dir: Path) -> None:
+def load_safetensors_into(
+    state: Mapping[str, torch.Tensor], model_dir: Path, *, name_map: Callable[[str], str] = lambda name: name
+) -> None:
     """Fill `state` ({in-memory name: tensor or DTensor shard}, e.g. a sharded module's `state_dict()`) from
     the safetensors in `model_dir`, in place. Collective: every rank of the default group calls it together.
 
-    Keys are mapped with `on_disk_name`; leave out keys the checkpoint does not hold (a tied `lm_head`).
+    Keys are mapped with `name_map` (the model family's `on_disk_name`: in-memory -> checkpoint name); leave out keys the checkpoint does not hold (a tied `lm_head`).
     Errors name the file and the tensor: a missing tensor or a wrong shape is found from the headers before
     any read; a failed read comes out of DCP as a `CheckpointException` (a BaseException, which `except
     Exception` would not catch) and is re-raised as a RuntimeError with the first rank's message.
     """
     weight_files(model_dir)  # a clear error for a directory without safetensors or with a broken index
-    state = {on_disk_name(k): v for k, v in state.items()}
+    state = {name_map(k): v for k, v in state.items()}
     reader = SliceReader(str(model_dir))
     _check_against_checkpoint(state, reader, model_dir)
     try:

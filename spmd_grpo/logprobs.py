@@ -3,11 +3,12 @@
 Shapes: B sequences in a micro-batch, L = padded prompt+response length, R = padded response length,
 N = number of valid response tokens in the micro-batch, H = hidden size, V = vocabulary.
 
-Correctness: Qwen2.5-VL needs mrope positions over the WHOLE prompt+response; given only input_ids,
+Correctness: Qwen-VL models need mrope positions over the WHOLE prompt+response; given only input_ids,
 attention_mask and the images, transformers 5.x silently uses wrong positions for the response tokens
-(per-token logprob errors of 1-18 nats against vLLM, measured on a tiny model in fp32, no warning). We
-compute `position_ids` [3, B, L] explicitly with the model's `get_rope_index` and `mm_token_type_ids`
-(1 on image pad tokens, 0 elsewhere, response included) and pass them in.
+(per-token logprob errors of 1-18 nats against vLLM, measured on a tiny Qwen2.5-VL in fp32, no warning).
+We compute `position_ids` [3, B, L] explicitly, as the model's family says (`families.Family.position_ids`:
+the model's `get_rope_index` with `mm_token_type_ids`, 1 on image pad tokens, 0 elsewhere, response
+included), and pass them in.
 
 The distribution is vLLM's `processed_logprobs`: logits / temperature with the unsamplable vision tokens at
 -inf. top-p / top-k truncation is NOT applied (as in verl): with top_p < 1 the logged
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from .families import family_of
 
 VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -84,16 +87,9 @@ def collate(
 
 
 def mrope_position_ids(hf_model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
-    """[3, B, L] Qwen2.5-VL positions for the full prompt+response (vLLM uses the same)."""
-    image_token_id = hf_model.config.image_token_id
-    mm_token_type_ids = (batch.input_ids == image_token_id).to(torch.int32)
-    position_ids, _ = hf_model.model.get_rope_index(
-        batch.input_ids,
-        mm_token_type_ids=mm_token_type_ids,
-        image_grid_thw=batch.image_grid_thw,
-        attention_mask=batch.attention_mask,
-    )
-    return position_ids
+    """[3, B, L] mrope positions for the full prompt+response (vLLM uses the same), from the model's family."""
+    family = family_of(hf_model.config)
+    return family.position_ids(hf_model, batch.input_ids, batch.attention_mask, batch.image_grid_thw)
 
 
 def _chunk_logprob_entropy(
@@ -120,7 +116,7 @@ def _chunk_logprob_entropy(
 
 
 class PolicyModule(nn.Module):
-    """Root module around an HF Qwen2.5-VL whose forward returns response logprobs (and entropy).
+    """Root module around an HF Qwen-VL model (any supported family) whose forward returns response logprobs (and entropy).
 
     It is the FSDP2 root, so the root-level parameters (embeddings, final norm, lm_head, ViT patch
     embedding/merger) are gathered for exactly this forward.

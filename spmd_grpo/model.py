@@ -1,4 +1,8 @@
-"""Policy and reference models: build Qwen2.5-VL sharded from the start, FSDP2, optimizer and LR schedule.
+"""Policy and reference models: build a Qwen-VL model sharded from the start, FSDP2, optimizer and LR schedule.
+
+Which layers are sharded, which tower is frozen and how checkpoint names map is asked of the model's family
+(`families.family_of`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL); an unsupported model_type fails before anything is
+built.
 
 No rank ever holds a whole model. Each model is built on the meta device (no memory) from its config.json,
 frozen / wrapped for activation checkpointing, sharded with `fully_shard` (per vision block and per language
@@ -52,6 +56,7 @@ from torch import nn
 
 from .config import ActorConfig, FSDPConfig, OptimConfig, RefConfig
 from .distributed import World, barrier
+from .families import family_of
 from .hf_weights import load_safetensors_into
 from .logprobs import PolicyModule, unsamplable_token_ids
 
@@ -89,11 +94,11 @@ def model_dir(model_path: str, world: World) -> Path:
 
 
 def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
-    return list(hf_model.model.language_model.layers)
+    return list(family_of(hf_model.config).decoder_layers(hf_model))
 
 
 def vision_blocks(hf_model: nn.Module) -> list[nn.Module]:
-    return list(hf_model.model.visual.blocks)
+    return family_of(hf_model.config).vision_blocks(hf_model)
 
 
 def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyModule:
@@ -130,6 +135,7 @@ def meta_hf_model(path: Path, dtype: torch.dtype, *, trust_remote_code: bool = F
     from transformers import AutoModelForImageTextToText
 
     config = hf_config(path, trust_remote_code=trust_remote_code)
+    family_of(config)  # an unsupported model_type fails here, naming the supported families
     with torch.device("meta"):
         return AutoModelForImageTextToText.from_config(
             config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
@@ -163,7 +169,7 @@ def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offlo
         if hf.lm_head.weight is not hf.get_input_embeddings().weight:
             raise RuntimeError("tie_word_embeddings is set but lm_head and the embeddings are not tied")
         state.pop("lm_head.weight", None)  # not in the checkpoint: the embeddings' own tensor
-    load_safetensors_into(state, path)
+    load_safetensors_into(state, path, name_map=family_of(hf.config).on_disk_name)
     init_non_persistent_buffers(hf, world.device)
 
 
@@ -171,12 +177,13 @@ def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, trainin
     """PolicyModule of `cfg.model` in `dtype`, sharded with `cfg.fsdp` and filled from the checkpoint."""
     path = model_dir(cfg.model.model_path, world)
     hf = meta_hf_model(path, dtype, trust_remote_code=cfg.model.trust_remote_code)
+    family = family_of(hf.config)
     if training and cfg.model.freeze_vision_tower:
-        hf.model.visual.requires_grad_(False)
+        family.vision_tower(hf).requires_grad_(False)
     if training and cfg.model.enable_gradient_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        layers = hf.model.language_model.layers
+        layers = family.decoder_layers(hf)
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
     model = PolicyModule(hf, unsamplable_token_ids(hf.config), cfg.logprob_chunk_size)

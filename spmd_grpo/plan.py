@@ -3,7 +3,8 @@
     python -m spmd_grpo.train cfg.yaml --dry-run --nnodes 4 --nproc-per-node 8 [key=value ...]
 
 Validates the config for that world size, builds the model on the meta device (no weights, no download when
-the model id is one of the Qwen2.5-VL sizes below and the hub is unreachable), and prints: the mesh layout
+the model id is one of the published architectures of `families.py` -- Qwen2-VL 7B, Qwen2.5-VL 3B/7B/32B,
+Qwen3-VL 4B/8B/32B -- and the hub is unreachable), and prints: the mesh layout
 (TP groups, which rank owns which prompts), batch arithmetic, the first batch's tensor shapes, and a
 per-rank memory estimate. The memory figures are ARITHMETIC from parameter counts and config, not
 measurements: activations in particular are an order-of-magnitude estimate.
@@ -18,26 +19,8 @@ from typing import Any
 import torch
 
 from .config import Config, validate
+from .families import PUBLISHED, family_of
 
-# Published architecture of the Qwen2.5-VL instruct checkpoints (their config.json), used when the hub
-# cannot be reached. Vision tower: 32 blocks, width 1280, MLP 3420, 16 heads, patch 14, merge 2.
-_ARCHITECTURE_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-    "tie_word_embeddings",
-)
-_ARCHITECTURES = [  # model id, then the values of _ARCHITECTURE_FIELDS in that order
-    ("Qwen/Qwen2.5-VL-3B-Instruct", 2048, 11008, 36, 16, 2, 151936, True),
-    ("Qwen/Qwen2.5-VL-7B-Instruct", 3584, 18944, 28, 28, 4, 152064, False),
-    ("Qwen/Qwen2.5-VL-32B-Instruct", 5120, 27648, 64, 40, 8, 152064, False),
-]
-KNOWN_ARCHITECTURES = {
-    model_id: dict(zip(_ARCHITECTURE_FIELDS, values, strict=True)) for model_id, *values in _ARCHITECTURES
-}
 GiB = 2**30
 BF16 = 2  # bytes per bf16 value
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -53,38 +36,25 @@ def _reference_dtype(cfg: Config) -> str:
 
 
 def model_config(model_path: str, *, trust_remote_code: bool = False):
-    """The HF config from a local dir or the hub; else the published architecture of a known id."""
-    from transformers import AutoConfig, Qwen2_5_VLConfig
+    """The HF config from a local dir or the hub; else the published architecture of a known id. A model
+    whose family is not supported is refused, naming the supported ones."""
+    from transformers import AutoConfig
 
     # A dry run must answer in seconds: a known id never waits on the hub (local HF cache only).
     try:
-        return AutoConfig.from_pretrained(
-            model_path,
-            local_files_only=model_path in KNOWN_ARCHITECTURES,
-            trust_remote_code=trust_remote_code,
-        ), "loaded"
+        config = AutoConfig.from_pretrained(
+            model_path, local_files_only=model_path in PUBLISHED, trust_remote_code=trust_remote_code
+        )
+        source = "loaded"
     except Exception as e:  # offline, not cached, or not a local directory
-        if model_path not in KNOWN_ARCHITECTURES:
+        if model_path not in PUBLISHED:
             raise ValueError(
                 f"worker.actor.model.model_path={model_path!r}: config not loadable ({type(e).__name__}) and not one "
-                f"of the built-in architectures {sorted(KNOWN_ARCHITECTURES)}"
+                f"of the built-in architectures {sorted(PUBLISHED)}"
             ) from None
-        arch = dict(KNOWN_ARCHITECTURES[model_path])
-        tie = arch.pop("tie_word_embeddings")
-        text = dict(
-            arch, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
-        )
-        vision = dict(
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            out_hidden_size=arch["hidden_size"],
-            fullatt_block_indexes=[7, 15, 23, 31],
-        )
-        return Qwen2_5_VLConfig(
-            text_config=text, vision_config=vision, tie_word_embeddings=tie
-        ), "built-in (offline)"
+        config, source = PUBLISHED[model_path].published_config(model_path), "built-in (offline)"
+    family_of(config)
+    return config, source
 
 
 @dataclass(frozen=True)
@@ -100,7 +70,8 @@ class _Model:
 
     @property
     def head_dim(self) -> int:
-        return self.text.hidden_size // self.text.num_attention_heads
+        """Explicit in Qwen3-VL's config (128 for 32B, where hidden / heads is 80); else hidden / heads."""
+        return getattr(self.text, "head_dim", None) or self.text.hidden_size // self.text.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -119,15 +90,12 @@ class _Batches:
 
 
 def _count_parameters(hf_config) -> _Model:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
+    family = family_of(hf_config)
     with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration(hf_config)
+        model = family.model_cls()(hf_config)
     num_params = sum(p.numel() for p in model.parameters())
-    num_vision = sum(p.numel() for p in model.model.visual.parameters())
-    layer_params = max(
-        sum(p.numel() for p in layer.parameters()) for layer in model.model.language_model.layers
-    )
+    num_vision = sum(p.numel() for p in family.vision_tower(model).parameters())
+    layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in family.decoder_layers(model))
     return _Model(num_params, num_vision, layer_params, hf_config.text_config)
 
 
@@ -162,7 +130,7 @@ def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: flo
         f"(vision {model.num_vision / 1e6:.0f}M, largest decoder layer {model.layer_params / 1e6:.0f}M), "
         f"tie_word_embeddings={hf_config.tie_word_embeddings}",
         *_layout_lines(cfg, b),
-        _shapes_line(cfg, b.seq),
+        _shapes_line(cfg, b.seq, family_of(hf_config).patch_size),
         *_memory_lines(cfg, model, b, device_memory_gb),
     ]
     return "\n".join(lines)
@@ -189,14 +157,14 @@ def _layout_lines(cfg: Config, b: _Batches) -> list[str]:
     ]
 
 
-def _shapes_line(cfg: Config, seq: int) -> str:
+def _shapes_line(cfg: Config, seq: int, patch: int) -> str:
     """The largest tensors of one update micro-batch, and the image token range of min/max_pixels."""
     d = cfg.data
     micro = cfg.worker.actor.micro_batch_size_per_device_for_update
-    merge = 2 * 14  # patch 14 x spatial merge 2: one LM token per 28x28 pixels
+    merge = 2 * patch  # patch x spatial merge 2: one LM token per 28x28 (Qwen3-VL: 32x32) pixels
     max_img_tokens = d.max_pixels // merge**2
     min_img_tokens = max(1, d.min_pixels // merge**2)
-    patch_dim = 3 * 2 * 14 * 14
+    patch_dim = 3 * 2 * patch * patch
     too_large = (
         f" -- images above {d.max_prompt_length * merge**2} pixels cannot fit data.max_prompt_length and "
         "their prompts will be filtered"

@@ -1,10 +1,10 @@
-"""GRPO for Qwen2.5-VL as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
+"""GRPO for Qwen-VL models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
 
 This entry point parses the command line, loads and validates the config against the world size from
 torchrun's environment BEFORE any process group or model exists (values, paths that must exist, the data
-set's size; a user reward file is imported), where a config error prints one line on stderr and exits with
-code 2; then it either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step is described
-in trainer.py).
+set's size, a model whose family is not supported; a user reward file is imported), where a config error
+prints one line on stderr and exits with code 2; then it either prints the `--dry-run` plan or starts the
+loop (`trainer.run`; the step is described in trainer.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from .config import BUILTIN_REWARDS, Config, ConfigError, env_world_size, load_config, validate
+from .families import family_of_model_path
 from .versions import VersionError, check_versions
 
 DRY_RUN_OPTIONS = ("--nnodes", "--nproc-per-node", "--device-memory-gb")
@@ -58,6 +59,14 @@ def check_reward_imports(cfg: Config) -> None:
         raise ConfigError(f"worker.reward.reward_function: {e}") from None
 
 
+def check_family(model_path: str) -> None:
+    """A model whose family is not supported stops here, naming the key and the supported families."""
+    try:
+        family_of_model_path(model_path)
+    except ValueError as e:
+        raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -71,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         validate(cfg, env_world_size())
         check_reward_imports(cfg)
+        check_family(cfg.worker.actor.model.model_path)
         check_versions()
     except (ConfigError, ValueError, VersionError) as e:
         kind = "version" if isinstance(e, VersionError) else "config"

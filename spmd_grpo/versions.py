@@ -3,7 +3,7 @@
 The trainer drives vLLM through APIs that change between minor releases (in-process `external_launcher`
 engines, `collective_rpc("reload_weights", weights_iterator=...)`, `reset_mm_cache` / `reset_encoder_cache`,
 `logprobs_mode="processed_logprobs"`, v1 `LogitsProcessor`, `mm_device_do_normalize`), and relies on
-transformers' Qwen2.5-VL position ids (`get_rope_index` with `mm_token_type_ids`) and torch's FSDP2 / DCP
+transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL position ids (`get_rope_index` with `mm_token_type_ids`) and torch's FSDP2 / DCP
 (`fully_shard`, `HuggingFaceStorageReader`). The ranges below are what was tested (vLLM 0.32.0 CPU, torch
 2.13.0, transformers 5.19.0); a version outside them stops the job with one line before the process group,
 the models or the engine exist, instead of failing 20 minutes later inside a rank. On Ascend, vllm-ascend must

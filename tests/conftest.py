@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Qwen2.5-VL checkpoints (built once, cached) and a real torchrun launcher."""
+"""Shared fixtures: tiny random checkpoints of each model family (built once, cached) and a real torchrun launcher."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ CACHE = Path(os.environ.get("SPMD_GRPO_CACHE", REPO / ".cache"))
 
 
 def tiny_model(tie_word_embeddings: bool = False, **spec_kwargs) -> Path:
-    """Directory of a tiny random Qwen2.5-VL for this spec, built on first use and cached."""
+    """Directory of a tiny random model for this spec (`family=` picks it; Qwen2.5-VL by default), built on
+    first use and cached."""
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
     return cached_tiny_model(CACHE, TinyModelSpec(tie_word_embeddings=tie_word_embeddings, **spec_kwargs))

@@ -1,10 +1,12 @@
-"""Build a tiny random Qwen2.5-VL checkpoint with no download: model, tokenizer, chat template, processor.
+"""Build a tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with no download: model, tokenizer, chat
+template, processor.
 
-    python -m spmd_grpo.tools.make_tiny_model OUT_DIR [--seed S] [--tie-word-embeddings] [--hidden-size H ...]
+    python -m spmd_grpo.tools.make_tiny_model OUT_DIR [--family qwen3_vl] [--seed S] [--tie-word-embeddings] ...
 
 The result loads in transformers (`AutoModelForImageTextToText`, `AutoProcessor`) and in vLLM, exactly like a
-real Qwen2.5-VL directory, so tests and the smoke job exercise the production loading path. Deterministic for a
-seed (same bytes for the same seed and options).
+real directory of that family, so tests and the smoke job exercise the production loading path.
+Deterministic for a seed (same bytes for the same seed and options). `--family` is a model_type of
+`spmd_grpo.families` (default qwen2_5_vl).
 
 Constraints from vLLM's CPU backend: its attention supports only some head sizes (32, 64, 80, ...), so
 head_dim is 32 or 64, and mrope_section must sum to head_dim / 2.
@@ -66,6 +68,7 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinyModelSpec:
+    family: str = "qwen2_5_vl"
     seed: int = 0
     tie_word_embeddings: bool = False
     hidden_size: int = 64
@@ -114,9 +117,10 @@ def build_tokenizer(num_merges: int):
 
 
 def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write a tiny random Qwen2.5-VL (model + tokenizer + processor) into out_dir and return it."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """Write a tiny random model of `spec.family` (model + tokenizer + processor) into out_dir and return it."""
+    from spmd_grpo.families import family_for_type
 
+    family = family_for_type(spec.family, "TinyModelSpec.family")
     if spec.head_dim not in (32, 64):
         raise ValueError(f"head_dim {spec.head_dim} not supported by vLLM's CPU attention: use 32 or 64")
     out = Path(out_dir)
@@ -126,74 +130,111 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = tiny_config(spec, ids, len(tokenizer))
     torch.manual_seed(spec.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = family.model_cls()(config).to(torch.float32)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out, safe_serialization=True)
-    _save_processor(out, tokenizer)
+    _save_processor(out, tokenizer, family)
     (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=1))
     return out
 
 
-def tiny_config(spec: TinyModelSpec, ids: dict[str, int], num_tokens: int):
-    """The Qwen2_5_VLConfig of `spec`, for a tokenizer of `num_tokens` tokens whose special-token ids are `ids`."""
-    from transformers import Qwen2_5_VLConfig
+def _mrope_section(head_dim: int) -> list[int]:
+    half = head_dim // 2
+    return [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
 
-    vocab_size = num_tokens + -num_tokens % 64  # padded like real checkpoints (vLLM shards the vocab)
-    half = spec.head_dim // 2
-    mrope_section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads,
-            max_position_embeddings=8192,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope_section},
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-            initializer_range=spec.init_std,
-            tie_word_embeddings=spec.tie_word_embeddings,
-        ),
-        vision_config=dict(
-            depth=spec.vision_depth,
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=2 * spec.vision_hidden_size,
-            num_heads=spec.vision_num_heads,
+
+def _text_config(spec: TinyModelSpec, ids: dict[str, int], vocab_size: int) -> dict:
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": _mrope_section(spec.head_dim)}
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=8192,
+        rope_parameters=rope,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        initializer_range=spec.init_std,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    if spec.family == "qwen3_vl":  # explicit head_dim; interleaved mrope (T/H/W frequencies interleaved)
+        text.update(head_dim=spec.head_dim, rope_parameters=dict(rope, mrope_interleaved=True))
+    return text
+
+
+def _vision_config(spec: TinyModelSpec) -> dict:
+    """The vision tower of each family at tiny size (the published towers' layout, fewer and narrower)."""
+    width, depth = spec.vision_hidden_size, spec.vision_depth
+    common = dict(depth=depth, num_heads=spec.vision_num_heads, initializer_range=spec.init_std)
+    common.update(spatial_merge_size=2, temporal_patch_size=2)
+    if spec.family == "qwen2_vl":  # no window attention, LayerNorm, MLP ratio
+        return dict(common, embed_dim=width, hidden_size=spec.hidden_size, mlp_ratio=2, patch_size=14)
+    if spec.family == "qwen3_vl":  # learnt position embeddings (a square count), DeepStack from every block
+        return dict(
+            common,
+            hidden_size=width,
+            intermediate_size=2 * width,
             out_hidden_size=spec.hidden_size,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            fullatt_block_indexes=[spec.vision_depth - 1],
-            initializer_range=spec.init_std,
-        ),
+            patch_size=16,
+            num_position_embeddings=144,
+            deepstack_visual_indexes=list(range(min(depth, spec.num_hidden_layers))),
+        )
+    return dict(
+        common,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        out_hidden_size=spec.hidden_size,
+        patch_size=14,
+        window_size=112,
+        fullatt_block_indexes=[depth - 1],
+    )
+
+
+def tiny_config(spec: TinyModelSpec, ids: dict[str, int], num_tokens: int):
+    """The HF config of `spec`, for a tokenizer of `num_tokens` tokens whose special-token ids are `ids`."""
+    from spmd_grpo.families import family_for_type
+
+    family = family_for_type(spec.family, "TinyModelSpec.family")
+    vocab_size = num_tokens + -num_tokens % 64  # padded like real checkpoints (vLLM shards the vocab)
+    config = family.config_cls()(
+        text_config=_text_config(spec, ids, vocab_size),
+        vision_config=_vision_config(spec),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=spec.tie_word_embeddings,
     )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.architectures = [family.model_class]
     return config
 
 
-def _save_processor(out: Path, tokenizer) -> None:
-    """Qwen2.5-VL's processor (image and video processors, tokenizer, chat template) into `out`."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+def _save_processor(out: Path, tokenizer, family) -> None:
+    """The family's processor (image and video processors, tokenizer, chat template) into `out`."""
+    from transformers import Qwen2VLImageProcessor
 
-    image_processor = Qwen2VLImageProcessor(min_pixels=3136, max_pixels=262144, patch_size=14, merge_size=2)
-    video_processor = Qwen2VLVideoProcessor(patch_size=14, merge_size=2)
-    processor = Qwen2_5_VLProcessor(
+    patch = family.patch_size
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=3136, max_pixels=262144, patch_size=patch, merge_size=family.merge_size
+    )
+    processor = family.processor_cls()(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        video_processor=video_processor,
+        video_processor=_video_processor(family),
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
+
+
+def _video_processor(family):
+    import transformers
+
+    name = "Qwen3VLVideoProcessor" if family.model_type == "qwen3_vl" else "Qwen2VLVideoProcessor"
+    return getattr(transformers, name)(patch_size=family.patch_size, merge_size=family.merge_size)
 
 
 def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
@@ -226,12 +267,13 @@ def main(argv: list[str] | None = None) -> None:
         else:
             parser.add_argument(flag, type=type(default), default=default)
     args = vars(parser.parse_args(argv))
+    args_family = args["family"]
     out = make_tiny_model(args.pop("out_dir"), TinyModelSpec(**args))
     num_params = sum(
         v.numel()
         for v in __import__("safetensors.torch").torch.load_file(str(out / "model.safetensors")).values()
     )
-    print(f"wrote tiny Qwen2.5-VL ({num_params / 1e6:.2f}M parameters) to {out}")
+    print(f"wrote tiny {args_family} ({num_params / 1e6:.2f}M parameters) to {out}")
 
 
 if __name__ == "__main__":

@@ -9,17 +9,25 @@ import json
 
 import pytest
 
-from tests.conftest import torchrun
+from tests.conftest import tiny_model, torchrun
 
 pytestmark = pytest.mark.engine
 
 TOL = 1e-3
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_parity_after_update_and_staleness(tp, tied, tiny_tied, tiny_untied, tmp_path):
-    model_dir = tiny_tied if tied else tiny_untied
+CASES = [  # (family, tp, tied): every Qwen2.5-VL variant; the other families untied at TP 1
+    *[("qwen2_5_vl", tp, tied) for tied in (False, True) for tp in (1, 2)],
+    ("qwen2_vl", 1, False),
+    ("qwen3_vl", 1, False),
+]
+
+
+@pytest.mark.parametrize(
+    "family, tp, tied", CASES, ids=[f"{f}-tp{tp}-{'tied' if t else 'untied'}" for f, tp, t in CASES]
+)
+def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
+    model_dir = tiny_model(tie_word_embeddings=tied, family=family)
     torchrun(["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)])
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:

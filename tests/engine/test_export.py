@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import spmd_grpo.export as export_mod
 from spmd_grpo.export import export_hf
-from tests.conftest import REPO
+from tests.conftest import REPO, tiny_model
 
 pytestmark = pytest.mark.engine
 
@@ -45,13 +45,15 @@ def weight_names(model_dir) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_export_loads_in_transformers_and_vllm(
-    tied, tiny_tied, tiny_untied, saved_checkpoints, tmp_path, monkeypatch
-):
+@pytest.mark.parametrize(
+    "family, tied",
+    [("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen2_vl", False), ("qwen3_vl", False)],
+    ids=["untied", "tied", "qwen2_vl", "qwen3_vl"],
+)
+def test_export_loads_in_transformers_and_vllm(family, tied, saved_checkpoints, tmp_path, monkeypatch):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model_dir = tiny_tied if tied else tiny_untied
+    model_dir = tiny_model(tie_word_embeddings=tied, family=family)
     work = saved_checkpoints(model_dir)  # the checkpoint tests' save, shared (one launch per model)
     trained = torch.load(work / "save.pt", weights_only=False)["at_save"]["params"]  # the checkpoint's
     ckpt = work / "run" / "checkpoints" / "global_step_2"
@@ -84,7 +86,7 @@ def test_export_loads_in_transformers_and_vllm(
     } <= set(files)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == weight_names(out)
-    # Same tensor names as the base checkpoint (transformers' on-disk names); lm_head only when untied.
+    # Same tensor names as the base checkpoint (the family's on-disk names); lm_head only when untied.
     assert weight_names(out) == weight_names(model_dir)
     assert ("lm_head.weight" in weight_names(out)) == (not tied)
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"

@@ -31,9 +31,11 @@ def files(tmp_path_factory) -> Path:
     """A valid world-2 config (`base.yaml`) and the real files its overrides point at."""
     root = tmp_path_factory.mktemp("config_errors")
     (root / "model").mkdir()
-    (root / "model" / "config.json").write_text("{}")
+    (root / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     (root / "empty").mkdir()
     table = pa.table({"problem": ["<image>1+1?"] * NUM_TRAIN_ROWS, "answer": ["2"] * NUM_TRAIN_ROWS})
+    (root / "llava").mkdir()
+    (root / "llava" / "config.json").write_text('{"model_type": "llava"}')
     pq.write_table(table, root / "train.parquet")
     (root / "not_parquet.parquet").write_bytes(b"not a parquet file")
     (root / "reward.py").write_text(
@@ -88,6 +90,7 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["data.format_prompt=ROOT/missing.jinja"], "data.format_prompt"),
     (["worker.actor.model.model_path=ROOT/missing_model"], "worker.actor.model.model_path"),
     (["worker.actor.model.model_path=ROOT/empty"], "worker.actor.model.model_path"),  # no config.json
+    (["worker.actor.model.model_path=ROOT/llava"], "worker.actor.model.model_path"),  # unsupported family
     (["worker.actor.model.tokenizer_path=./tokenizer_missing"], "worker.actor.model.tokenizer_path"),
     (["worker.reward.reward_function=ROOT/missing.py:fn"], "worker.reward.reward_function"),
     (["worker.reward.reward_function=ROOT/reward.py:nope"], "worker.reward.reward_function"),

@@ -9,7 +9,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from spmd_grpo.hf_weights import load_safetensors_into, on_disk_name, weight_files
+from spmd_grpo.families import QWEN2_5_VL
+from spmd_grpo.hf_weights import load_safetensors_into, weight_files
+
+on_disk_name = QWEN2_5_VL.on_disk_name
 
 TENSORS = {
     "model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(6, 4) / 7,
@@ -33,7 +36,7 @@ def _model_state(dtype=torch.float32) -> dict[str, torch.Tensor]:
 def _load(state, path):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        load_safetensors_into(state, path)
+        load_safetensors_into(state, path, name_map=on_disk_name)
 
 
 def test_on_disk_names_of_qwen2_5_vl():
