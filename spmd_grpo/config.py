@@ -66,7 +66,7 @@ class DataConfig:
     rollout_batch_size: int = 16
     """Prompts drawn per step across all ranks; each yields worker.rollout.n samples."""
     val_batch_size: int = -1
-    """-1 = the whole validation set in one pass."""
+    """Validation prompts per generation batch, over all ranks (-1: the whole validation set in one batch)."""
     val_max_samples: int = -1
     """Validate on the first N examples of the validation set (-1: all)."""
     min_pixels: int = 3136
