@@ -205,6 +205,8 @@ class DataConfig:
     max_response_length: int = 512
     rollout_batch_size: int = 16
     """Prompts drawn per step across all ranks; each yields worker.rollout.n samples."""
+    val_batch_size: int = -1
+    """Validation prompts per generation batch, over all ranks (-1: the whole validation set in one batch)."""
     val_max_samples: int = -1
     """Validate on the first N examples of the validation set (-1: all)."""
     min_pixels: int = 3136
@@ -227,7 +229,7 @@ class DataConfig:
             "num_builtin_examples",
         )
         _require_nonempty(self, prefix, "train_files", "prompt_key", "answer_key", "image_key")
-        _require_off_or_positive(self, prefix, "val_max_samples")
+        _require_off_or_positive(self, prefix, "val_batch_size", "val_max_samples")
         _require_at_least(self, prefix, 0, "seed")
         _require(
             self.max_pixels >= self.min_pixels,

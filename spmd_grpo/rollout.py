@@ -143,7 +143,8 @@ def generate_for_group(
                     _sampling_params(sampling, request_seed(sampling.seed, step, p.uid, k, gen_batch))
                 )
                 owners.append((slot, p, k))
-    outputs = engine.generate(requests, params)
+    # A rank's last validation batch may hold no prompts (validation.py): nothing to ask the engine.
+    outputs = engine.generate(requests, params) if requests else []
     return [(slot, _sample(p, k, out, gen_batch)) for (slot, p, k), out in zip(owners, outputs, strict=True)]
 
 

@@ -326,6 +326,7 @@ class Trainer:
                 tp_group=self.tp_group,
                 log_generations=self.loggers.log_table,
                 num_logged=self.cfg.trainer.val_generations_to_log,
+                batch_size=self.cfg.data.val_batch_size,
             )
 
     def _validation_due(self, step: int) -> bool:

@@ -7,13 +7,16 @@ Metrics (global over ranks), N = `worker.rollout.val_override.n` samples per pro
 Sampling uses `worker.rollout.val_override` (verl: temperature 0.6, top_p 0.95, n 1 in the geo3k recipes)
 with its own per-request seeds (`VAL_SEED_OFFSET`), so validation never consumes or shifts the training
 samples' randomness. Each rank validates a strided share of the set (rank r takes examples r, r + world,
-...). The first `num_logged` generations (over ranks, in rank order) go to `log_generations(step, rows)` on
-rank 0 (the loggers' tables: val_generations.jsonl, wandb, ...). The caller holds the engine in
+...), in generation batches of `batch_size` prompts over all ranks (`data.val_batch_size`; -1: one batch),
+every rank running the same number of batches (the ranks of a TP group gather each batch together). The
+first `num_logged` generations (over ranks, in rank order) go to `log_generations(step, rows)` on rank 0
+(the loggers' tables: val_generations.jsonl, wandb, ...). The caller holds the engine in
 `rollout_mode` around `validate`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +42,7 @@ def validate(
     tp_group=None,
     log_generations: Callable[[int, list[dict[str, Any]]], None],
     num_logged: int,
+    batch_size: int = -1,
 ) -> dict[str, float]:
     """Generate and score this rank's share of `examples`; returns the global metrics (collective)."""
     prompts = [
@@ -52,7 +56,11 @@ def validate(
         for i in range(world.rank, len(examples), world.world_size)
         for ex in [examples[i]]
     ]
-    samples = generate(engine, prompts, sampling, step=step, tp_group=tp_group)
+    samples = [
+        sample
+        for batch in _batches(prompts, len(examples), world.world_size, batch_size)
+        for sample in generate(engine, batch, sampling, step=step, tp_group=tp_group)
+    ]
     rewards = score_samples(
         reward_fn,
         [s.reward_input() for s in samples],
@@ -63,6 +71,18 @@ def validate(
     if world.is_main and rows:
         log_generations(step, rows)
     return metrics
+
+
+def _batches(
+    prompts: list[Prompt], num_examples: int, world_size: int, batch_size: int
+) -> list[list[Prompt]]:
+    """This rank's `prompts` in generation batches of `batch_size` prompts over all ranks (<= 0: one batch). The
+    number of batches depends only on the set size and the world, so it is the same on every rank."""
+    if batch_size <= 0:
+        return [prompts]
+    per_rank = math.ceil(batch_size / world_size)
+    num_batches = max(1, math.ceil(math.ceil(num_examples / world_size) / per_rank))
+    return [prompts[i * per_rank : (i + 1) * per_rank] for i in range(num_batches)]
 
 
 def _metrics(samples: list[Sample], rewards: dict[str, torch.Tensor], n: int) -> dict[str, float]:

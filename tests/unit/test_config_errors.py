@@ -115,7 +115,7 @@ VALUE_ROWS = [
     (["data.seed=-1"], "data.seed"),
     (["data.num_builtin_examples=0"], "data.num_builtin_examples"),
     (["data.prompt_key="], "data.prompt_key"),
-    (["data.val_batch_size=8"], "data.val_batch_size"),  # removed: nothing read it
+    (["data.val_batch_size=0"], "data.val_batch_size"),
     # algorithm
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
     (["algorithm.adv_eps=0"], "algorithm.adv_eps"),

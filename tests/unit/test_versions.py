@@ -54,7 +54,7 @@ def test_cli_stops_before_any_work(tmp_path):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.11.0\n")
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")  # the config is valid: the version stops the job
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')  # the config is valid: the version stops the job
     proc = subprocess.run(
         [sys.executable, "-m", "spmd_grpo.train", "configs/smoke.yaml", f"worker.actor.model.model_path={tmp_path / 'model'}"],
         cwd=REPO, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120,
@@ -64,3 +64,44 @@ def test_cli_stops_before_any_work(tmp_path):
         "version error: vllm 0.11.0 is outside the tested range >=0.32,<0.33 "
         "(see spmd_grpo/versions.py; SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1 to try anyway)"
     ]
+
+
+# requirements/npu.txt (the Ascend install, not lockable by uv): each pin -> the tested range it must equal.
+NPU_REQUIREMENTS = REPO / "requirements" / "npu.txt"
+NPU_PIN_RANGE = {"vllm": "vllm", "vllm-ascend": "vllm", "torch": "torch", "torch-npu": "torch"}
+NPU_PIN_RANGE |= {name: name for name in SUPPORTED}
+
+
+def _agrees(specifier: str, low: str, high: str) -> bool:
+    """The specifier admits exactly [low, high) on probes at and around both bounds."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    below = ".".join(map(str, (*Version(low).release[:-1], Version(low).release[-1] - 1)))
+    probes = [below, f"{below}.9", low, f"{low}.0", f"{low}.9", f"{low}.1.post1", high, f"{high}.1"]
+    spec = SpecifierSet(specifier)
+    return all(
+        spec.contains(p) == (Version(low) <= Version(Version(p).base_version) < Version(high)) for p in probes
+    )
+
+
+def _npu_pins() -> dict[str, str]:
+    from packaging.requirements import Requirement
+
+    lines = [line.split("#")[0].strip() for line in NPU_REQUIREMENTS.read_text().splitlines()]
+    return {(req := Requirement(line)).name: str(req.specifier) for line in lines if line}
+
+
+def test_npu_requirements_agree_with_the_tested_ranges():
+    pins = _npu_pins()
+    assert {"vllm-ascend", "torch-npu", *SUPPORTED} <= set(pins), pins
+    for name, specifier in pins.items():
+        assert name in NPU_PIN_RANGE, f"requirements/npu.txt pins {name}, which versions.py does not range"
+        low, high = SUPPORTED[NPU_PIN_RANGE[name]]
+        assert _agrees(specifier, low, high), f"{name}{specifier} in requirements/npu.txt != >={low},<{high}"
+
+
+@pytest.mark.parametrize("drifted", [">=0.31,<0.33", ">=0.32,<0.34", "==0.32.0", ">=0.32", "==0.33.*"])
+def test_a_drifted_npu_pin_is_caught(drifted):
+    assert _agrees(">=0.32,<0.33", "0.32", "0.33") and _agrees("==0.32.*", "0.32", "0.33")
+    assert not _agrees(drifted, "0.32", "0.33")

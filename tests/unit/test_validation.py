@@ -1,0 +1,24 @@
+"""`data.val_batch_size`: validation generates in batches of that many prompts over all ranks, and every rank
+runs the same number of batches (the ranks of a TP group gather each batch together, so unequal counts hang)."""
+
+from spmd_grpo.validation import _batches
+
+
+def test_whole_set_in_one_batch_by_default():
+    assert _batches(["a", "b", "c"], 5, 2, -1) == [["a", "b", "c"]]
+
+
+def test_batches_of_val_batch_size_over_the_ranks():
+    # 5 examples over 2 ranks (strided: 3 and 2 prompts), 4 prompts per batch = 2 per rank: 2 batches each.
+    assert _batches(["e0", "e2", "e4"], 5, 2, 4) == [["e0", "e2"], ["e4"]]
+    assert _batches(["e1", "e3"], 5, 2, 4) == [["e1", "e3"], []]
+
+
+def test_same_number_of_batches_on_every_rank():
+    for num_examples in range(1, 12):
+        for batch_size in (1, 2, 3, 5, 1024):
+            shares = [list(range(r, num_examples, 3)) for r in range(3)]
+            counts = {len(_batches(share, num_examples, 3, batch_size)) for share in shares}
+            assert len(counts) == 1, (num_examples, batch_size, counts)
+            for share in shares:  # nothing lost or repeated
+                assert sum(_batches(share, num_examples, 3, batch_size), []) == share
