@@ -45,8 +45,9 @@ file's rows skipped is an error naming the file):
     most vLLM accepts per prompt; it would fail the whole generate call): skipped, not truncated.
   * images: every PIL mode becomes RGB (`_to_rgb`: transparency on white, 16-bit grey scaled, float grey read
     as 0..1 or 0..255); any size smart_resize accepts (a 1x1 image is scaled up to min_pixels); an aspect ratio
-    above 200, more pixels than PIL's decompression-bomb limit (refused from the header, before decoding), or
-    data that cannot be decoded or is truncated: skipped.
+    above 200 or too thin for max_pixels (3x500 under 16 tokens: a side would be 0 pixels), more pixels than
+    PIL's decompression-bomb limit (refused from the header, before decoding), or data that cannot be decoded
+    or is truncated: skipped.
   * a directory's file that cannot be opened (empty, not parquet, truncated, no problem/answer column) or fails
     while being read (a corrupt page, on whichever rank reads it): skipped whole with one line naming it; no
     readable file is an error. An operating-system I/O error (with an errno) is an error, not a skip.
@@ -245,6 +246,14 @@ def _resized_size(image: Image.Image, cfg: DataConfig) -> tuple[int, int]:
         )
     except ValueError as e:  # extreme aspect ratio
         raise _BadRow("image cannot be resized", str(e)) from e
+    if min(width, height) < IMAGE_FACTOR or width * height > cfg.max_pixels:
+        # A thin image under a small max_pixels: smart_resize floors one side to 0 (PIL's resize then fails
+        # in the middle of training), and the processor's own rule would exceed max_pixels.
+        raise _BadRow(
+            "image cannot be resized",
+            f"{image.width}x{image.height} has no {IMAGE_FACTOR}-multiple size within "
+            f"data.max_pixels={cfg.max_pixels} at its aspect ratio",
+        )
     return width, height
 
 
