@@ -153,19 +153,29 @@ def test_answers_of_every_type(tmp_path, processor, caplog):
     )
 
 
-@pytest.mark.parametrize(
-    "token",
-    ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|endoftext|>"],
-)
-def test_special_tokens_in_text_are_skipped(tmp_path, processor, caplog, token):
-    rows = [{"problem": f"<image>Row {i}?", "answer": str(i), "images": [_png()]} for i in range(10)]
-    rows[4]["problem"] = f"<image>What does {token} mean?"
-    rows[6]["problem"] = "<image>Near misses are text: <|im_start>, < |image_pad| >, <image_pad>?"
+SPECIAL = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|endoftext|>",
+]
+
+
+def test_special_tokens_in_text_are_skipped(tmp_path, processor, caplog):
+    rows = [{"problem": f"<image>Row {i}?", "answer": str(i), "images": [_png()]} for i in range(12)]
+    for i, token in enumerate(SPECIAL):
+        rows[2 * i]["problem"] = f"<image>What does {token} mean?"
+    rows[1]["problem"] = "<image>Near misses are text: <|im_start>, < |image_pad| >, <image_pad>?"
     path = write_parquet(rows, tmp_path / "s.parquet")
     with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
-        examples = load_dataset(_cfg(path, max_bad_fraction=0.1), processor)
-    assert [e.index for e in examples] == [i for i in range(10) if i != 4]
-    assert _skip_lines(caplog)[0] == f"skipped {path} row 4: text contains a special token ({token!r})"
+        examples = load_dataset(_cfg(path, max_bad_fraction=0.5), processor)
+    assert [e.index for e in examples] == list(range(1, 12, 2))
+    assert _skip_lines(caplog)[:-1] == [
+        f"skipped {path} row {2 * i}: text contains a special token ({token!r})"
+        for i, token in enumerate(SPECIAL[:MAX_NAMED_PER_REASON])
+    ]
     _assert_processor_agrees(examples, processor)
 
 
