@@ -157,12 +157,15 @@ def count_rows(source: str, num_builtin_examples: int) -> int | None:
     import pyarrow.parquet as pq
 
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
-    rows = 0
+    rows, unreadable = 0, []
     for file in files:
         try:
             rows += pq.read_metadata(file).num_rows
         except Exception as e:  # pyarrow raises several types for a file that is not parquet
-            raise ConfigError(f"{file} is not a readable parquet file: {type(e).__name__}: {e}") from None
+            unreadable.append(f"{file} is not a readable parquet file: {type(e).__name__}: {e}")
+    # A bad file among good ones in a directory is skipped by the loader (named in its log), not fatal here.
+    if unreadable and (path.is_file() or len(unreadable) == len(files)):
+        raise ConfigError(unreadable[0])
     return rows
 
 

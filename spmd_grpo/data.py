@@ -21,15 +21,36 @@ own resize is then the identity; a warning is logged when its bounds are narrowe
 Loading (`load_dataset`; a collective when world_size > 1): the source's rows (a directory's files numbered as
 if concatenated in sorted order) are split into `world_size` contiguous ranges, and each rank reads ONLY its
 range, `ROW_BATCH` rows at a time (parquet: `ParquetFile.iter_batches` over the row groups that overlap it). It
-checks every row, decoding each image to do so and dropping the pixels right after. Bad rows (undecodable image,
-missing/empty problem or answer, `<image>` count != image count, vision special tokens in the text, an aspect
-ratio smart_resize refuses) are skipped, with one summary log line per file naming each by its row number inside
-the file; more than `max_bad_fraction` of a file is an error. Prompts longer than `max_prompt_length` after
-image expansion are dropped, never truncated (truncation would split an image's pad tokens). The per-row
-results (kept rows with their text, answer and token ids; bad rows with their reasons) are all-gathered with the
-`all_gather` the caller passes (`distributed.all_gather_objects` under torchrun), so every rank holds the same
-Examples and raises the same errors; only rank 0 logs. A rank that cannot read its range (an I/O error) sends
-its error through the same all-gather, and every rank raises it rather than waiting for it.
+checks every row, decoding each image fully to do so (truncated data fails only there) and dropping the pixels
+right after, so that a row that passed cannot fail later, in the trainer's processor or in vLLM. Prompts longer
+than `max_prompt_length` after image expansion are dropped, never truncated (truncation would split an image's
+pad tokens). The per-row results (kept rows with their text, answer and token ids; bad rows with their reasons)
+are all-gathered with the `all_gather` the caller passes (`distributed.all_gather_objects` under torchrun), so
+every rank holds the same Examples and raises the same errors; only rank 0 logs. A rank that cannot read its
+range (an operating-system I/O error) sends its error through the same all-gather, and every rank raises it
+rather than waiting for it.
+
+What a row may hold, and what happens to it (a skipped row is logged as `skipped FILE row N: REASON`, at most
+`MAX_NAMED_PER_REASON` rows per reason, then one line of counts per reason; more than `max_bad_fraction` of a
+file's rows skipped is an error naming the file):
+  * text: str, or UTF-8 bytes (a binary column); any Unicode (NUL, emoji, right-to-left, BOM) is kept as is.
+    Bytes that are not UTF-8, in a binary column or (written by a non-validating writer) in a string column:
+    that row is skipped, not its batch or file.
+  * answer: text (stripped) or a number, written as its shortest decimal ("2.0" -> "2"). None, empty text,
+    NaN/infinity, booleans and lists: skipped.
+  * the tokenizer's special tokens written as text (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`,
+    `<|image_pad|>`, `<|endoftext|>`, ...): skipped, not escaped; they would end the user turn early or give vLLM
+    vision tokens without an image. In `data.system_prompt` they are an error.
+  * `<image>` markers must match the images; more images than `limit_images` (worker.rollout.limit_images, the
+    most vLLM accepts per prompt; it would fail the whole generate call): skipped, not truncated.
+  * images: every PIL mode becomes RGB (`_to_rgb`: transparency on white, 16-bit grey scaled, float grey read
+    as 0..1 or 0..255); any size smart_resize accepts (a 1x1 image is scaled up to min_pixels); an aspect ratio
+    above 200 or too thin for max_pixels (3x500 under 16 tokens: a side would be 0 pixels), more pixels than
+    PIL's decompression-bomb limit (refused from the header, before decoding), or data that cannot be decoded
+    or is truncated: skipped.
+  * a directory's file that cannot be opened (empty, not parquet, truncated, no problem/answer column) or fails
+    while being read (a corrupt page, on whichever rank reads it): skipped whole with one line naming it; no
+    readable file is an error. An operating-system I/O error (with an errno) is an error, not a skip.
 
 Images on demand: `Example.images` decodes and resizes the row's images each time it is read (the trainer
 reads it once per prompt per step). A parquet row is read back through its row group: the image column of the
@@ -57,11 +78,16 @@ rank rolls out at each step is `spmd_grpo.sampler.PromptSampler`'s business.
 
 from __future__ import annotations
 
+import decimal
 import io
 import logging
+import math
+import numbers
 import re
+import warnings
 from array import array
 from bisect import bisect_right
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +103,7 @@ logger = logging.getLogger(__name__)
 IMAGE_MARKER = "<image>"
 IMAGE_FACTOR = 28  # Qwen2.5-VL: patch 14 x spatial merge 2; one image token per 28x28 pixels
 ROW_BATCH = 64  # rows converted to Python at a time while checking
+MAX_NAMED_PER_REASON = 5  # skipped rows named in the log per reason (the rest are counted)
 LARGE_ROW_GROUP_BYTES = 256 << 20  # an image column chunk above this is warned about (read whole per access)
 _BYTESIO_REPR = re.compile(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
@@ -115,47 +142,93 @@ class Example:
     @property
     def images(self) -> list[Image.Image]:
         """The row's images, decoded and resized NOW (each read decodes again; nothing is kept): RGB, resized
-        by qwen_vl_utils.smart_resize (factor 28) into [min_pixels, max_pixels]."""
+        by qwen_vl_utils.smart_resize (factor 28) into [min_pixels, max_pixels]. The same decode passed at
+        load; a failure now means the source changed since, and is a ValueError naming the file and row."""
         return self.source.images(self.row)
 
 
 # ------------------------------------------------------------------------------------------ images
 class _BadRow(Exception):
-    """A row that is skipped; the message is the reason written in the summary log line."""
+    """A row that is skipped. `kind` groups rows in the skip log (at most `MAX_NAMED_PER_REASON` named per
+    kind); the message is `kind (detail)`."""
+
+    def __init__(self, kind: str, detail: str | None = None) -> None:
+        super().__init__(f"{kind} ({detail})" if detail else kind)
+        self.kind = kind
+
+
+def _reason_kind(reason: str) -> str:
+    return reason.partition(" (")[0]
 
 
 def _image_list(images: Any) -> list:
     """A row's image cell as a list of image entries (None: no images; a single entry: one image)."""
     if images is None:
         return []
-    if isinstance(images, Image.Image | bytes | dict):
+    if isinstance(images, Image.Image | bytes | dict | str):
         return [images]
     return list(images)
 
 
+def _open_image(image: Any, base_dir: Path | None) -> Image.Image:
+    if isinstance(image, Image.Image):
+        return image
+    data, path = image, None
+    if isinstance(image, dict):
+        data, path = image.get("bytes"), image.get("path")
+    if isinstance(data, bytes | bytearray):
+        return Image.open(io.BytesIO(data))
+    if isinstance(data or path, str):
+        file = Path(data or path)
+        if not file.is_absolute() and base_dir is not None and not file.exists():
+            file = base_dir / file
+        return Image.open(file)
+    raise _BadRow("undecodable image", f"no bytes or path in a {type(image).__name__}")
+
+
 def _decode_image(image: Any, base_dir: Path | None) -> Image.Image:
+    """The image fully decoded (truncated data fails here, not later) and converted to RGB (`_to_rgb`).
+    Images above PIL's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`, 89.5M pixels) are refused from
+    their header, before any pixel is decoded, where PIL alone would warn and decode up to twice that."""
     try:
-        if isinstance(image, Image.Image):
-            decoded = image
-        else:
-            data, path = image, None
-            if isinstance(image, dict):
-                data, path = image.get("bytes"), image.get("path")
-            if isinstance(data, bytes | bytearray):
-                decoded = Image.open(io.BytesIO(data))
-            elif isinstance(data or path, str):
-                file = Path(data or path)
-                if not file.is_absolute() and base_dir is not None and not file.exists():
-                    file = base_dir / file
-                decoded = Image.open(file)
-            else:
-                raise _BadRow(f"undecodable image (no bytes or path in a {type(image).__name__})")
-        decoded.load()
-        return decoded.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            decoded = _open_image(image, base_dir)
+            decoded.load()
+        return _to_rgb(decoded)
     except _BadRow:
         raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise _BadRow("image too large", str(e).partition(", could")[0]) from e
     except Exception as e:
-        raise _BadRow(f"undecodable image ({_BYTESIO_REPR.sub('', str(e)) or type(e).__name__})") from e
+        raise _BadRow("undecodable image", _BYTESIO_REPR.sub("", str(e)) or type(e).__name__) from e
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as the model should see the image. PIL's `convert("RGB")` is right for 1, L, P, CMYK, YCbCr, but:
+    transparency is composited on white (qwen_vl_utils does so for RGBA; a dropped alpha turns a transparent
+    diagram background black); 16-bit grey (I;16*, and I, which 16-bit PNGs open as) is scaled from
+    0..65535 (PIL clips at 255: a 16-bit scan turns white); float grey (F) is read as 0..1 when all its
+    values lie there, else as 0..255 (clipped; NaN -> 0)."""
+    import numpy as np
+
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode in ("RGBA", "LA", "La", "RGBa", "PA") or (mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        rgb = Image.new("RGB", rgba.size, (255, 255, 255))
+        rgb.paste(rgba, mask=rgba.getchannel("A"))
+        return rgb
+    if mode.startswith("I") or mode == "F":
+        values = np.nan_to_num(np.asarray(image, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        if mode != "F":
+            values = values / 257.0
+        elif values.size and values.min() >= 0.0 and values.max() <= 1.0:
+            values = values * 255.0
+        grey = np.clip(np.rint(values), 0, 255).astype(np.uint8)
+        return Image.fromarray(grey).convert("RGB")
+    return image.convert("RGB")
 
 
 def _resized_size(image: Image.Image, cfg: DataConfig) -> tuple[int, int]:
@@ -171,7 +244,15 @@ def _resized_size(image: Image.Image, cfg: DataConfig) -> tuple[int, int]:
             max_pixels=cfg.max_pixels,
         )
     except ValueError as e:  # extreme aspect ratio
-        raise _BadRow(f"image cannot be resized ({e})") from e
+        raise _BadRow("image cannot be resized", str(e)) from e
+    if min(width, height) < IMAGE_FACTOR or width * height > cfg.max_pixels:
+        # A thin image under a small max_pixels: smart_resize floors one side to 0 (PIL's resize then fails
+        # in the middle of training), and the processor's own rule would exceed max_pixels.
+        raise _BadRow(
+            "image cannot be resized",
+            f"{image.width}x{image.height} has no {IMAGE_FACTOR}-multiple size within "
+            f"data.max_pixels={cfg.max_pixels} at its aspect ratio",
+        )
     return width, height
 
 
@@ -240,9 +321,32 @@ def _arrow_rows(batch, first_row: int, data_source: str, keys: tuple[str, str, s
     """`(row, normalised values)` of an Arrow table or record batch whose first row is `first_row`."""
     names = batch.schema.names
     wanted = [*keys, "data_source"]
-    columns = {k: batch.column(k).to_pylist() for k in wanted if k in names}
+    columns = {k: _pylist(batch.column(k), k) for k in wanted if k in names}
     for i in range(batch.num_rows):
         yield first_row + i, _normalise({k: v[i] for k, v in columns.items()}, data_source, keys)
+
+
+class _Unreadable(NamedTuple):
+    """A cell Arrow could not convert to Python (the row is bad, not its batch)."""
+
+    reason: _BadRow
+
+
+def _pylist(column, name: str) -> list:
+    """A column's values; a value that cannot be converted (invalid UTF-8 in a string column, which writers
+    other than Arrow's may produce, fails `to_pylist` for the whole batch) becomes an `_Unreadable`."""
+    try:
+        return column.to_pylist()
+    except Exception:
+        values: list = []
+        for i in range(len(column)):
+            try:
+                values.append(column[i].as_py())
+            except UnicodeDecodeError as e:
+                values.append(_Unreadable(_BadRow(f"{name} is not UTF-8", f"byte {e.start}")))
+            except Exception as e:
+                values.append(_Unreadable(_BadRow(f"{name} unreadable", f"{type(e).__name__}: {e}")))
+        return values
 
 
 def _check_columns(name: str, columns: list[str], cfg: DataConfig) -> None:
@@ -364,8 +468,28 @@ class _HubRows(_Rows):
         return self.table[row : row + 1].column(self.cfg.image_key)[0].as_py()
 
 
-def _open_sources(source: str, cfg: DataConfig, split: str) -> list[_Rows]:
-    """The rows of `source`, opened (parquet: footers only; hub: memory-mapped; builtin: generated)."""
+def _open_parquet_files(files: list[Path], cfg: DataConfig) -> tuple[list[_Rows], list[tuple[str, str]]]:
+    """The files' rows (footers read) and the files that cannot be opened, with why (not parquet, empty,
+    truncated, no problem/answer column). An OS-level I/O error is raised; so is every file failing."""
+    opened: list[_Rows] = []
+    unreadable: list[tuple[str, str]] = []
+    cache = _RowGroupCache()
+    for file in files:
+        try:
+            opened.append(_ParquetRows(file, cfg, cache, sum(s.num_rows for s in opened)))
+        except Exception as e:
+            if isinstance(e, OSError) and e.errno is not None:
+                raise
+            unreadable.append((str(file), f"{type(e).__name__}: {e}"))
+    if not opened:
+        named = "; ".join(f"{name}: {why}" for name, why in unreadable[:MAX_NAMED_PER_REASON])
+        raise ValueError(f"no readable parquet file among {len(files)}: {named}")
+    return opened, unreadable
+
+
+def _open_sources(source: str, cfg: DataConfig, split: str) -> tuple[list[_Rows], list[tuple[str, str]]]:
+    """The rows of `source`, opened (parquet: footers only; hub: memory-mapped; builtin: generated), and the
+    files of a directory that cannot be opened, with why."""
     seed = cfg.seed if split == "train" else cfg.seed + 1  # builtin validation rows differ from training rows
     if source.startswith("builtin:"):
         task = source.removeprefix("builtin:")
@@ -375,16 +499,13 @@ def _open_sources(source: str, cfg: DataConfig, split: str) -> list[_Rows]:
             raise ValueError(
                 f"unknown builtin dataset {source!r}; available: {sorted('builtin:' + k for k in makers)}"
             )
-        return [_MemoryRows(source, makers[task](cfg.num_builtin_examples, seed), task, cfg)]
+        return [_MemoryRows(source, makers[task](cfg.num_builtin_examples, seed), task, cfg)], []
     path = Path(source).expanduser()
     if path.is_dir() or path.is_file():
         files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
         if not files:
             raise ValueError(f"no *.parquet files in directory {source}")
-        out, cache = [], _RowGroupCache()
-        for file in files:
-            out.append(_ParquetRows(file, cfg, cache, sum(s.num_rows for s in out)))
-        return out
+        return _open_parquet_files(files, cfg)
     if HUB_ID.match(source):
         name, _, hub_split = source.partition("@")
         hub_split = hub_split or split
@@ -397,7 +518,7 @@ def _open_sources(source: str, cfg: DataConfig, split: str) -> list[_Rows]:
                 f"cannot load Hugging Face dataset {name!r} split {hub_split!r} (from {source!r}): "
                 f"{type(e).__name__}: {e}"
             ) from e
-        return [_HubRows(source, dataset, name, cfg)]
+        return [_HubRows(source, dataset, name, cfg)], []
     raise ValueError(
         f"data source {source!r} is not an existing parquet file or directory, a `builtin:` task, or a hub id "
         "`owner/name@split`"
@@ -445,6 +566,16 @@ def _load_template(cfg: DataConfig):
     return jinja2.Template(path.read_text())
 
 
+def _special_tokens(tokenizer) -> re.Pattern | None:
+    """A pattern matching any of the tokenizer's special tokens written as text (longest first)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    tokens = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    tokens |= set(getattr(tokenizer, "all_special_tokens", None) or ())
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
 @dataclass(frozen=True)
 class _Prompting:
     """What turns a row into a checked, tokenized prompt, the same for every row of one `load_dataset` call."""
@@ -455,9 +586,11 @@ class _Prompting:
     template: Any  # jinja2.Template of data.format_prompt, or None
     image_pad_id: int
     factor: int  # pixels per image-token side of the processor's resize
+    special_tokens: re.Pattern | None  # the tokenizer's special tokens as text
+    limit_images: int | None  # most images per prompt the rollout engine accepts
 
     @classmethod
-    def for_load(cls, cfg: DataConfig, processor, *, log: bool) -> _Prompting:
+    def for_load(cls, cfg: DataConfig, processor, limit_images: int | None, *, log: bool) -> _Prompting:
         tokenizer = getattr(processor, "tokenizer", processor)
         image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         proc_min, proc_max, factor = _image_processor_bounds(processor)
@@ -470,7 +603,12 @@ class _Prompting:
                 proc_min,
                 proc_max,
             )
-        return cls(cfg, processor, tokenizer, _load_template(cfg), image_pad_id, factor)
+        special = _special_tokens(tokenizer)
+        found = special.search(cfg.system_prompt) if special and cfg.system_prompt else None
+        if found:
+            raise ValueError(f"data.system_prompt contains the special token {found.group()!r}")
+        template = _load_template(cfg)
+        return cls(cfg, processor, tokenizer, template, image_pad_id, factor, special, limit_images)
 
 
 class _Kept(NamedTuple):
@@ -491,22 +629,83 @@ class _Bad(NamedTuple):
     reason: str
 
 
+class _BadFile(NamedTuple):
+    """A source that failed while being read (a corrupt page): all of its rows are dropped."""
+
+    source: int
+    reason: str
+
+
+def _text(value: Any, what: str) -> str:
+    """A text cell as str: bytes (a binary column) must be UTF-8; anything but text is a bad row."""
+    if isinstance(value, _Unreadable):
+        raise value.reason
+    if value is None:
+        raise _BadRow(f"missing {what}")
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _BadRow(f"{what} is not UTF-8", f"byte {e.start}") from e
+    if not isinstance(value, str):
+        raise _BadRow(f"{what} is not text", type(value).__name__)
+    return value
+
+
+def _answer(value: Any) -> str:
+    """The ground truth as the reward function reads it: text stripped, numbers as their shortest decimal text
+    (2.0 -> "2", 0.1 -> "0.1"). None, booleans (more likely a flag column than an answer), NaN/infinity and
+    lists (one ground truth per row) are bad rows."""
+    if value is None or isinstance(value, str | bytes | _Unreadable):
+        answer = _text(value, "answer").strip()
+        if not answer:
+            raise _BadRow("empty answer")
+        return answer
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | decimal.Decimal):
+        raise _BadRow("answer is not text or a number", type(value).__name__)
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            raise _BadRow("answer is not finite", str(value))
+        return str(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise _BadRow("answer is not finite", str(number))
+    return str(int(number)) if number.is_integer() and abs(number) < 2**53 else repr(number)
+
+
+def _check_text(text: str, num_images: int, prompting: _Prompting) -> None:
+    """The prompt text against what vLLM and the chat template need: no special tokens written as text (they
+    would end the user turn early or add vision tokens vLLM has no image for), one `<image>` per image, no
+    more images than the rollout engine takes (vLLM rejects the request: the whole generate call fails)."""
+    found = prompting.special_tokens.search(text) if prompting.special_tokens else None
+    if found:
+        raise _BadRow("text contains a special token", repr(found.group()))
+    num_markers = text.count(IMAGE_MARKER)
+    if num_markers != num_images:
+        raise _BadRow(
+            f"{IMAGE_MARKER} markers do not match images", f"{num_markers} markers, {num_images} images"
+        )
+    if prompting.limit_images is not None and num_images > prompting.limit_images:
+        raise _BadRow(
+            "more images than worker.rollout.limit_images", f"{num_images} > {prompting.limit_images}"
+        )
+
+
 def _check_row(values: dict, source: _Rows, prompting: _Prompting) -> tuple[str, str, array, int]:
     """(problem, answer, token ids, tokens after image expansion) of a good row; `_BadRow` names a bad one.
     Each image is decoded to check it, and dropped."""
-    problem, answer, images = values["problem"], values["answer"], _image_list(values["images"])
-    if not isinstance(problem, str) or not problem.strip():
-        raise _BadRow("empty problem" if isinstance(problem, str) else "missing problem")
-    if answer is None:
-        raise _BadRow("missing answer")
-    answer = str(answer).strip()
-    if not answer:
-        raise _BadRow("empty answer")
+    problem = _text(values["problem"], "problem")
+    if not problem.strip():
+        raise _BadRow("empty problem")
+    answer = _answer(values["answer"])
+    if isinstance(values["images"], _Unreadable):
+        raise values["images"].reason
+    images = _image_list(values["images"])
     template, cfg, factor = prompting.template, prompting.cfg, prompting.factor
     text = template.render(content=problem) if template is not None else problem
-    num_markers = text.count(IMAGE_MARKER)
-    if num_markers != len(images):
-        raise _BadRow(f"{num_markers} {IMAGE_MARKER} markers but {len(images)} images")
+    _check_text(text, len(images), prompting)
     expansion = 0
     for image in images:
         width, height = _processor_size(
@@ -517,26 +716,52 @@ def _check_row(values: dict, source: _Rows, prompting: _Prompting) -> tuple[str,
         _messages(text, cfg), add_generation_prompt=True, tokenize=False
     )
     ids = prompting.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if ids.count(prompting.image_pad_id) != len(images):
-        raise _BadRow("text contains vision special tokens")
+    if ids.count(prompting.image_pad_id) != len(images):  # a chat template adding its own vision tokens
+        raise _BadRow("prompt has more image tokens than images")
     return problem, answer, array("i", ids), len(ids) + expansion
 
 
+def _read_guarded(source: _Rows, start: int, stop: int) -> Iterator[tuple[int, dict] | str]:
+    """`source.read(start, stop)`; where reading fails on the file's content (corrupt page, bad footer), the
+    failure's text is yielded last. An operating-system I/O error (it has an errno) is raised."""
+    try:
+        yield from source.read(start, stop)
+    except Exception as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        yield f"{type(e).__name__}: {e}"
+
+
 def _check_share(sources: list[_Rows], prompting: _Prompting, rank: int, world_size: int) -> list:
-    """`_Kept` / `_Bad` for this rank's contiguous share of all rows, in row order."""
+    """`_Kept` / `_Bad` for this rank's contiguous share of all rows, in row order, and a `_BadFile` (with
+    none of the file's rows) for a file that failed while being read."""
     total = sum(s.num_rows for s in sources)
     start, stop = total * rank // world_size, total * (rank + 1) // world_size
-    results: list[_Kept | _Bad] = []
+    results: list[_Kept | _Bad | _BadFile] = []
     for k, source in enumerate(sources):
         lo, hi = max(start - source.index_offset, 0), min(stop - source.index_offset, source.num_rows)
-        for row, values in source.read(lo, hi) if lo < hi else ():
+        first = len(results)
+        for item in _read_guarded(source, lo, hi) if lo < hi else ():
+            if isinstance(item, str):
+                del results[first:]
+                results.append(_BadFile(k, item))
+                break
+            row, values = item
             try:
                 problem, answer, ids, length = _check_row(values, source, prompting)
             except _BadRow as reason:
                 results.append(_Bad(k, row, str(reason)))
                 continue
-            results.append(_Kept(k, row, problem, answer, str(values["data_source"]), ids, length))
+            data_source = values["data_source"]
+            data_source = data_source if isinstance(data_source, str) else _label(data_source)
+            results.append(_Kept(k, row, problem, answer, data_source, ids, length))
     return results
+
+
+def _label(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return "" if isinstance(value, _Unreadable) else str(value)
 
 
 def load_dataset(
@@ -547,11 +772,13 @@ def load_dataset(
     rank: int = 0,
     world_size: int = 1,
     all_gather: AllGather = _single_process,
+    limit_images: int | None = None,
 ) -> list[Example]:
     """Read `cfg.train_files` (split "train") or `cfg.val_files` (split "val") into tokenized Examples.
 
     Each rank checks its contiguous share of the rows; `all_gather` (every rank's object in rank order; under
     torchrun `distributed.all_gather_objects`, called once by every rank) gives every rank the same Examples.
+    `limit_images` (worker.rollout.limit_images): rows with more images are skipped.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -563,65 +790,127 @@ def load_dataset(
     if world_size > 1 and all_gather is _single_process:
         raise ValueError(f"world_size={world_size} needs an all_gather (distributed.all_gather_objects)")
     try:
-        sources = _open_sources(source, cfg, split)
-        results = _check_share(sources, _Prompting.for_load(cfg, processor, log=rank == 0), rank, world_size)
-        mine: tuple[str, Any] = ("ok", results)
+        sources, unreadable = _open_sources(source, cfg, split)
+        prompting = _Prompting.for_load(cfg, processor, limit_images, log=rank == 0)
+        layout = [(s.name, s.num_rows) for s in sources]
+        mine: tuple[str, Any, Any] = ("ok", layout, _check_share(sources, prompting, rank, world_size))
     except Exception as e:  # sent to every rank, so none waits in the all-gather for this one
-        error, mine = e, ("error", f"{type(e).__name__}: {e}")
+        error, mine = e, ("error", f"{type(e).__name__}: {e}", None)
     parts = all_gather(mine)
     if len(parts) != world_size:
         raise ValueError(f"all_gather returned {len(parts)} parts for a world of size {world_size}")
     if mine[0] == "error":
         raise error
-    failed = [(r, what) for r, (status, what) in enumerate(parts) if status == "error"]
+    failed = [(r, what) for r, (status, what, _) in enumerate(parts) if status == "error"]
     if failed:
         r, what = failed[0]
         raise ValueError(f"reading {source} failed on rank {r}: {what}")
-    examples = _examples(sources, [result for _, part in parts for result in part], cfg, log=rank == 0)
+    if any(what != layout for _, what, _ in parts):  # a file readable on some ranks only
+        raise ValueError(f"the ranks opened different files of {source}: {[what for _, what, _ in parts]}")
+    results = [result for _, _, part in parts for result in part]
+    examples = _examples(sources, unreadable, results, cfg, log=rank == 0, name=source)
     kept = _drop_too_long(examples, source, cfg, log=rank == 0)
     if not kept:
-        raise ValueError(f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length})")
+        raise ValueError(
+            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): "
+            f"{_bad_row_counts(results) or 'every prompt is too long'}"
+        )
     if rank == 0:
         logger.info("loaded %d %s examples from %s", len(kept), split, source)
     return kept
 
 
-def _examples(sources: list[_Rows], results: list, cfg: DataConfig, *, log: bool) -> list[Example]:
-    """Every rank's check results (all rows, in order) -> the Examples; each source's bad rows are skipped
-    with one summary log line, or are an error when they are more than data.max_bad_fraction of its rows."""
-    bad: list[list[tuple[int, str]]] = [[] for _ in sources]
-    examples = []
-    for result in results:
-        source = sources[result.source]
-        if isinstance(result, _Bad):
-            bad[result.source].append((result.row, result.reason))
-            continue
-        examples.append(
-            Example(
-                index=source.index_offset + result.row,
-                problem=result.problem,
-                answer=result.answer,
-                source=source,
-                row=result.row,
-                data_source=result.data_source,
-                num_prompt_tokens=result.num_prompt_tokens,
-                token_ids=result.token_ids,
-            )
-        )
-    for source, source_bad in zip(sources, bad, strict=True):
-        _check_bad_rows(source, source_bad, cfg, log=log)
+def _examples(
+    sources: list[_Rows],
+    unreadable: list[tuple[str, str]],
+    results: list,
+    cfg: DataConfig,
+    *,
+    log: bool,
+    name: str,
+) -> list[Example]:
+    """Every rank's check results (all rows, in order) -> the Examples. A file that could not be opened or
+    read is skipped whole (an error when no file is left); bad rows are skipped, named (at most
+    `MAX_NAMED_PER_REASON` per reason) and counted, or are an error when they are more than
+    data.max_bad_fraction of their file's rows."""
+    failed = {r.source: r.reason for r in results if isinstance(r, _BadFile)}
+    bad_files = unreadable + [(sources[k].name, why) for k, why in failed.items()]
+    if len(failed) == len(sources):
+        named = "; ".join(f"{name}: {why}" for name, why in bad_files[:MAX_NAMED_PER_REASON])
+        raise ValueError(f"no readable file among {len(bad_files)}: {named}")
+    if log:
+        _log_skipped_files(bad_files, len(sources) + len(unreadable))
+    results = [r for r in results if r.source not in failed]
+    bad = [r for r in results if isinstance(r, _Bad)]
+    if log:
+        num_rows = sum(s.num_rows for k, s in enumerate(sources) if k not in failed)
+        _log_bad_rows(sources, bad, num_rows, name)
+    for k, source in enumerate(sources):
+        _check_bad_fraction(source, [r for r in bad if r.source == k], cfg)
     _warn_large_row_groups(sources, log=log)
-    return examples
+    return [
+        Example(
+            index=sources[r.source].index_offset + r.row,
+            problem=r.problem,
+            answer=r.answer,
+            source=sources[r.source],
+            row=r.row,
+            data_source=r.data_source,
+            num_prompt_tokens=r.num_prompt_tokens,
+            token_ids=r.token_ids,
+        )
+        for r in results
+        if isinstance(r, _Kept)
+    ]
 
 
-def _check_bad_rows(source: _Rows, bad: list[tuple[int, str]], cfg: DataConfig, *, log: bool) -> None:
+def _log_skipped_files(bad_files: list[tuple[str, str]], num_files: int) -> None:
+    for name, why in bad_files[:MAX_NAMED_PER_REASON]:
+        logger.warning("skipped unreadable file %s: %s", name, why)
+    if len(bad_files) > MAX_NAMED_PER_REASON:
+        logger.warning(
+            "skipped %d unreadable files of %d (%d named above)",
+            len(bad_files),
+            num_files,
+            MAX_NAMED_PER_REASON,
+        )
+
+
+def _bad_row_counts(results: list) -> str:
+    """`N bad rows (reason: count, ...)` of the check results, or '' when there are none."""
+    counts = Counter(_reason_kind(r.reason) for r in results if isinstance(r, _Bad))
+    files = sum(isinstance(r, _BadFile) for r in results)
+    text = ", ".join(f"{kind}: {n}" for kind, n in counts.most_common())
+    return (f"{counts.total()} bad rows ({text})" if counts else "") + (
+        f"{'; ' if counts else ''}{files} unreadable files" if files else ""
+    )
+
+
+def _log_bad_rows(sources: list[_Rows], bad: list[_Bad], num_rows: int, name: str) -> None:
+    """One line per bad row, naming its file, row and reason, for the first `MAX_NAMED_PER_REASON` rows of
+    each reason; then one line with the counts by reason."""
     if not bad:
         return
-    if log:
-        reasons = "; ".join(f"row {i} {why}" for i, why in bad)
-        logger.warning("skipped %d of %d rows in %s: %s", len(bad), source.num_rows, source.name, reasons)
+    named: Counter[str] = Counter()
+    for r in bad:
+        kind = _reason_kind(r.reason)
+        named[kind] += 1
+        if named[kind] <= MAX_NAMED_PER_REASON:
+            logger.warning("skipped %s row %d: %s", sources[r.source].name, r.row, r.reason)
+    unnamed = sum(max(n - MAX_NAMED_PER_REASON, 0) for n in named.values())
+    logger.warning(
+        "skipped %d of %d rows in %s: %s%s",
+        len(bad),
+        num_rows,
+        name,
+        ", ".join(f"{kind}: {n}" for kind, n in named.most_common()),
+        f" ({unnamed} not named above: at most {MAX_NAMED_PER_REASON} per reason)" if unnamed else "",
+    )
+
+
+def _check_bad_fraction(source: _Rows, bad: list[_Bad], cfg: DataConfig) -> None:
     if len(bad) > cfg.max_bad_fraction * source.num_rows:
-        first = "; ".join(f"row {i} {why}" for i, why in bad[:5])
+        first = "; ".join(f"row {r.row} {r.reason}" for r in bad[:MAX_NAMED_PER_REASON])
         raise ValueError(
             f"{source.name}: {len(bad)} of {source.num_rows} rows are bad, more than data.max_bad_fraction="
             f"{cfg.max_bad_fraction}; first reasons: {first}"

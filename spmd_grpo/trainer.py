@@ -88,6 +88,7 @@ class Trainer:
             trust_remote_code=actor.model.trust_remote_code,
         )
         shard = dict(rank=world.rank, world_size=world.world_size, all_gather=D.all_gather_objects)
+        shard["limit_images"] = cfg.worker.rollout.limit_images  # more images: skipped, vLLM would refuse
         self.dataset = load_dataset(
             d, self.processor, "train", **shard
         )  # rows checked once, split over ranks

@@ -49,8 +49,8 @@ def _rows_with_bad(n=50) -> tuple[list[dict], dict[int, str]]:
         3: "undecodable image",
         7: "missing answer",
         12: "empty problem",
-        15: "2 <image> markers but 1 images",
-        18: "0 <image> markers but 1 images",
+        15: "<image> markers do not match images (2 markers, 1 images)",
+        18: "<image> markers do not match images (0 markers, 1 images)",
     }
     return rows, expected
 
@@ -63,12 +63,15 @@ def test_bad_rows_are_skipped_and_summarised(tmp_path, processor, caplog):
     assert len(examples) == 45
     assert {e.index for e in examples} == set(range(50)) - set(expected)
     assert all(e.answer == str(e.index) for e in examples)  # original row numbers are kept
-    summary = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(summary) == 1
-    assert "skipped 5 of 50 rows in" in summary[0] and "geo.parquet" in summary[0]
-    for index, reason in expected.items():
-        assert f"row {index} {reason}" in summary[0]
-    assert "cannot identify image file" in summary[0] and "BytesIO" not in summary[0]
+    *named, summary = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(named) == 5  # one line per skipped row: file, row, reason
+    for line, (index, reason) in zip(named, expected.items(), strict=True):
+        assert line.startswith(f"skipped {path} row {index}: {reason}")
+    assert "cannot identify image file" in named[0] and "BytesIO" not in named[0]
+    assert summary == (
+        f"skipped 5 of 50 rows in {path}: <image> markers do not match images: 2, undecodable image: 1, "
+        "missing answer: 1, empty problem: 1"
+    )
 
 
 def test_empty_answer_is_bad(tmp_path, processor):

@@ -54,7 +54,9 @@ def test_cli_stops_before_any_work(tmp_path):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.11.0\n")
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')  # the config is valid: the version stops the job
+    (tmp_path / "model" / "config.json").write_text(
+        '{"model_type": "qwen2_5_vl"}'
+    )  # the config is valid: the version stops the job
     proc = subprocess.run(
         [sys.executable, "-m", "spmd_grpo.train", "configs/smoke.yaml", f"worker.actor.model.model_path={tmp_path / 'model'}"],
         cwd=REPO, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120,
