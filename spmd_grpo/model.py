@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from .config import ActorConfig, FSDPConfig, OptimConfig, RefConfig
-from .distributed import World, barrier
+from .distributed import World, barrier, varlen_attention
 from .hf_weights import load_safetensors_into
 from .logprobs import PolicyModule, unsamplable_token_ids
 
@@ -118,13 +118,31 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
     return model
 
 
-def meta_hf_model(path: Path, dtype: torch.dtype) -> nn.Module:
+def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, str]:
+    """(pack the micro-batches?, transformers attn_implementation) for `worker.actor.padding_free`.
+
+    auto packs only where the device has a varlen kernel (`distributed.varlen_attention`); true packs
+    anywhere (sdpa with a block-diagonal mask where there is no kernel); false never packs. The kernel is
+    used whenever it exists: it also serves padded batches.
+    """
+    kernel = varlen_attention(device_type)
+    packed = kernel is not None if padding_free == "auto" else bool(padding_free)
+    if packed and kernel is None and device_type != "cpu":
+        log.warning(
+            "padding_free on %s without a varlen attention kernel: dense block-diagonal masks", device_type
+        )
+    return packed, kernel or "sdpa"
+
+
+def meta_hf_model(path: Path, dtype: torch.dtype, attn_implementation: str = "sdpa") -> nn.Module:
     """The HF model of the config in `path`, every parameter and buffer on the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForImageTextToText.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
 
 
 def init_non_persistent_buffers(hf_model: nn.Module, device: torch.device) -> None:
@@ -161,7 +179,8 @@ def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offlo
 def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, training: bool) -> PolicyModule:
     """PolicyModule of `cfg.model` in `dtype`, sharded with `cfg.fsdp` and filled from the checkpoint."""
     path = model_dir(cfg.model.model_path, world)
-    hf = meta_hf_model(path, dtype)
+    packed, attention = attention_setup(cfg.padding_free, world.device_type)
+    hf = meta_hf_model(path, dtype, attention)
     if training and cfg.model.freeze_vision_tower:
         hf.model.visual.requires_grad_(False)
     if training and cfg.model.enable_gradient_checkpointing:
@@ -170,7 +189,7 @@ def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, trainin
         layers = hf.model.language_model.layers
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
-    model = PolicyModule(hf, unsamplable_token_ids(hf.config), cfg.logprob_chunk_size)
+    model = PolicyModule(hf, unsamplable_token_ids(hf.config), cfg.logprob_chunk_size, padding_free=packed)
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)
