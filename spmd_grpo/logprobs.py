@@ -9,6 +9,18 @@ attention_mask and the images, transformers 5.x silently uses wrong positions fo
 compute `position_ids` [3, B, L] explicitly with the model's `get_rope_index` and `mm_token_type_ids`
 (1 on image pad tokens, 0 elsewhere, response included) and pass them in.
 
+Padding-free (`worker.actor.padding_free`): a micro-batch's sequences are packed back to back into one row
+with no attention mask, and the positions get a 4th row (first) of plain per-sequence text positions.
+transformers 5.x reads it to keep attention inside each sequence: varlen `cu_seqlens` with flash attention
+(CUDA, and Ascend's fused kernel behind the same name), a block-diagonal causal mask with sdpa (CPU).
+Checked here on CPU only (sdpa, fp32): logprobs, entropy and gradients equal the padded forward's to fp32
+rounding (tests/unit/test_packing.py). No padding token is computed; on CPU sdpa the dense T x T mask makes
+it a correctness path, not a faster one.
+
+Image features (`ImageBatch`, `SequenceBatch.image_features`): the root module can run the vision tower
+alone and take its output back instead of pixels (transformers' `mm_encoder_outputs`, matched to the image
+pad tokens in order), so a frozen tower encodes each prompt's images once per step (update.encode_images).
+
 The distribution is vLLM's `processed_logprobs`: logits / temperature with the unsamplable vision tokens at
 -inf. top-p / top-k truncation is NOT applied (as in verl): with top_p < 1 the logged
 `rollout/logprob_diff_*` includes that truncation, by design.
@@ -200,7 +212,8 @@ class PolicyModule(nn.Module):
     """Root module around an HF Qwen2.5-VL whose forward returns response logprobs (and entropy).
 
     It is the FSDP2 root, so the root-level parameters (embeddings, final norm, lm_head, ViT patch
-    embedding/merger) are gathered for exactly this forward.
+    embedding/merger) are gathered for exactly this forward; encoding images alone goes through the same
+    root forward (an `ImageBatch`) for that reason.
     """
 
     def __init__(
