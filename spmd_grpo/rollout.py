@@ -10,6 +10,14 @@ the samples do not depend on how requests are batched or which rank generates th
 reproduces them. `n` samples are submitted as n single-sample requests (vLLM would give the n children of
 one request the seeds seed, seed+1, ..., tied to the request rather than to the sample's coordinates).
 
+What the n requests of a prompt share, measured on the vLLM 0.32 CPU engine (tiny random model, 8 prompts
+x 8 samples, one 224 x 224 image each, chunked prefill off as here; `benchmarks/rollout_sharing.py`):
+the vision encoder ran on 8 images for the 64 requests (vLLM's encoder cache keys images by content), so
+the image is encoded once per prompt already. The prefill is NOT shared when the n requests are scheduled
+together: 0 prefix-cache hits of 6,144 queried prompt tokens (blocks are cached only once computed, and
+only whole blocks). `SamplingParams(n)` would not change that in vLLM 0.32: its children reach the
+scheduler as separate requests too.
+
 A `Sample` is the one record of everything known about a response as the step goes on: the rollout fills
 the tokens and vLLM's logprobs, the reward its `scores`, the trainer its `old_logprobs`, `ref_logprobs` and
 `advantage`.
