@@ -15,8 +15,8 @@ x 8 samples, one 224 x 224 image each, chunked prefill off as here; `benchmarks/
 the vision encoder ran on 8 images for the 64 requests (vLLM's encoder cache keys images by content), so
 the image is encoded once per prompt already. The prefill is NOT shared when the n requests are scheduled
 together: 0 prefix-cache hits of 6,144 queried prompt tokens (blocks are cached only once computed, and
-only whole blocks). `SamplingParams(n)` would not change that in vLLM 0.32: its children reach the
-scheduler as separate requests too.
+only whole blocks). `SamplingParams(n)` would not change that in vLLM 0.32: its front end processes the
+prompt once and then adds n child requests (child i seeded seed + i) to the scheduler, like ours.
 
 A `Sample` is the one record of everything known about a response as the step goes on: the rollout fills
 the tokens and vLLM's logprobs, the reward its `scores`, the trainer its `old_logprobs`, `ref_logprobs` and
