@@ -13,9 +13,10 @@ one request the seeds seed, seed+1, ..., tied to the request rather than to the 
 What the n requests of a prompt share, measured on the vLLM 0.32 CPU engine (tiny random model, 8 prompts
 x 8 samples, one 224 x 224 image each, chunked prefill off as here; `benchmarks/rollout_sharing.py`):
 the vision encoder ran on 8 images for the 64 requests (vLLM's encoder cache keys images by content), so
-the image is encoded once per prompt already. The prefill is NOT shared when the n requests are scheduled
-together: 0 prefix-cache hits of 6,144 queried prompt tokens (blocks are cached only once computed, and
-only whole blocks). `SamplingParams(n)` would not change that in vLLM 0.32: its front end processes the
+the image is encoded once per prompt already (also with prefix caching off, and with SamplingParams(n)).
+The prefill was NOT shared: 0 prefix-cache hits of 6,144 queried prompt tokens, the 96-token prompts being
+shorter than one 128-token CPU KV block (only whole blocks are cached). Whether longer prompts whose n
+requests are scheduled in the same step hit the cache was not measured. `SamplingParams(n)` would not change that in vLLM 0.32: its front end processes the
 prompt once and then adds n child requests (child i seeded seed + i) to the scheduler, like ours.
 
 A `Sample` is the one record of everything known about a response as the step goes on: the rollout fills
