@@ -432,6 +432,13 @@ class ActorConfig:
     max_grad_norm: float = 1.0
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the vocabulary-sized log-softmax (bounds its memory)."""
+    padding_free: bool | Literal["auto"] = "auto"
+    """Pack each micro-batch's sequences into one row (no padding tokens). auto: on where the device has a
+    varlen attention kernel (flash attention on CUDA, the fused kernel on Ascend), off on CPU; true on CPU
+    packs with a dense block-diagonal mask (correct, not faster)."""
+    reuse_image_features: bool = True
+    """With model.freeze_vision_tower: encode each prompt's images once per step, reused by all its samples
+    and every trainer pass; ignored (images re-encoded in every forward) when the tower is trained."""
 
     def check(self, prefix: str) -> None:
         _require_positive(

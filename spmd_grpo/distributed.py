@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.util
 import logging
 import os
 import random
@@ -101,6 +102,21 @@ def device_module(device_type: str) -> ModuleType | None:
             raise RuntimeError("device npu but torch.npu does not exist: import torch_npu first")
         return torch.npu
     return {"cuda": torch.cuda}.get(device_type)
+
+
+def varlen_attention(device_type: str) -> str | None:
+    """The transformers `attn_implementation` with a variable-length kernel for packed sequences, or None.
+
+    npu: `flash_attention_2`, which transformers maps to torch_npu's `npu_fusion_attention` (varlen through
+    `cu_seqlens`); cuda: `flash_attention_2` when the `flash_attn` package imports; cpu: None (sdpa then
+    builds a dense block-diagonal mask: correct, used by the tests, not a fast path). Verified here only on
+    CPU (sdpa, packed vs padded); neither GPU kernel has run in this project.
+    """
+    if device_type == "npu":
+        return "flash_attention_2"
+    if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return None
 
 
 @dataclass(frozen=True)

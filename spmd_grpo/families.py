@@ -59,6 +59,10 @@ class Family:
     """The checkpoint stores `model.layers.*` / `visual.*` rather than the in-memory names."""
     published: tuple[Published, ...] = field(default=())
     merge_size: int = 2
+    reusable_image_features: bool = True
+    """The tower's final output is all the language model takes from it, so features encoded once can stand
+    in for the pixels (`worker.actor.reuse_image_features`). Qwen3-VL also feeds DeepStack features from
+    intermediate tower layers into its first decoder layers, which that path does not carry: it re-encodes."""
 
     @property
     def image_factor(self) -> int:
@@ -234,6 +238,7 @@ QWEN3_VL = Family(
     processor_class="Qwen3VLProcessor",
     patch_size=16,
     legacy_weight_names=False,
+    reusable_image_features=False,
     published=(
         _qwen3_vl_published(
             "Qwen/Qwen3-VL-4B-Instruct", (2560, 9728, 36, 32, 8), (24, 1024, 4096, (5, 11, 17)), True

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from .config import ActorConfig, FSDPConfig, OptimConfig, RefConfig
-from .distributed import World, barrier
+from .distributed import World, barrier, varlen_attention
 from .families import family_of
 from .hf_weights import load_safetensors_into
 from .logprobs import PolicyModule, unsamplable_token_ids
@@ -123,6 +123,22 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
     return model
 
 
+def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, str]:
+    """(pack the micro-batches?, transformers attn_implementation) for `worker.actor.padding_free`.
+
+    auto packs only where the device has a varlen kernel (`distributed.varlen_attention`); true packs
+    anywhere (sdpa with a block-diagonal mask where there is no kernel); false never packs. The kernel is
+    used whenever it exists: it also serves padded batches.
+    """
+    kernel = varlen_attention(device_type)
+    packed = kernel is not None if padding_free == "auto" else bool(padding_free)
+    if packed and kernel is None and device_type != "cpu":
+        log.warning(
+            "padding_free on %s without a varlen attention kernel: dense block-diagonal masks", device_type
+        )
+    return packed, kernel or "sdpa"
+
+
 def hf_config(path: Path, *, trust_remote_code: bool):
     """The transformers config in `path` (`trust_remote_code`: a checkpoint's own configuration code may run)."""
     from transformers import AutoConfig
@@ -130,7 +146,9 @@ def hf_config(path: Path, *, trust_remote_code: bool):
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def meta_hf_model(path: Path, dtype: torch.dtype, *, trust_remote_code: bool = False) -> nn.Module:
+def meta_hf_model(
+    path: Path, dtype: torch.dtype, attn_implementation: str = "sdpa", *, trust_remote_code: bool = False
+) -> nn.Module:
     """The HF model of the config in `path`, every parameter and buffer on the meta device (no memory)."""
     from transformers import AutoModelForImageTextToText
 
@@ -138,7 +156,7 @@ def meta_hf_model(path: Path, dtype: torch.dtype, *, trust_remote_code: bool = F
     family_of(config)  # an unsupported model_type fails here, naming the supported families
     with torch.device("meta"):
         return AutoModelForImageTextToText.from_config(
-            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+            config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
 
 
@@ -176,7 +194,8 @@ def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offlo
 def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, training: bool) -> PolicyModule:
     """PolicyModule of `cfg.model` in `dtype`, sharded with `cfg.fsdp` and filled from the checkpoint."""
     path = model_dir(cfg.model.model_path, world)
-    hf = meta_hf_model(path, dtype, trust_remote_code=cfg.model.trust_remote_code)
+    packed, attention = attention_setup(cfg.padding_free, world.device_type)
+    hf = meta_hf_model(path, dtype, attention, trust_remote_code=cfg.model.trust_remote_code)
     family = family_of(hf.config)
     if training and cfg.model.freeze_vision_tower:
         family.vision_tower(hf).requires_grad_(False)
@@ -186,7 +205,7 @@ def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, trainin
         layers = family.decoder_layers(hf)
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
-    model = PolicyModule(hf, unsamplable_token_ids(hf.config), cfg.logprob_chunk_size)
+    model = PolicyModule(hf, unsamplable_token_ids(hf.config), cfg.logprob_chunk_size, padding_free=packed)
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)

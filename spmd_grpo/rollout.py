@@ -10,6 +10,15 @@ the samples do not depend on how requests are batched or which rank generates th
 reproduces them. `n` samples are submitted as n single-sample requests (vLLM would give the n children of
 one request the seeds seed, seed+1, ..., tied to the request rather than to the sample's coordinates).
 
+What the n requests of a prompt share, measured on the vLLM 0.32 CPU engine (tiny random model, 8 prompts
+x 8 samples, one 224 x 224 image each, chunked prefill off as here; `benchmarks/rollout_sharing.py`):
+the vision encoder ran on 8 images for the 64 requests (vLLM's encoder cache keys images by content), so
+the image is encoded once per prompt already (also with prefix caching off, and with SamplingParams(n)).
+The prefill was NOT shared: 0 prefix-cache hits of 6,144 queried prompt tokens, the 96-token prompts being
+shorter than one 128-token CPU KV block (only whole blocks are cached). Whether longer prompts whose n
+requests are scheduled in the same step hit the cache was not measured. `SamplingParams(n)` would not change that in vLLM 0.32: its front end processes the
+prompt once and then adds n child requests (child i seeded seed + i) to the scheduler, like ours.
+
 A `Sample` is the one record of everything known about a response as the step goes on: the rollout fills
 the tokens and vLLM's logprobs, the reward its `scores`, the trainer its `old_logprobs`, `ref_logprobs` and
 `advantage`.
@@ -51,6 +60,8 @@ class Sample:
     finish_reason: str = "length"  # "stop" | "length"
     pixel_values: torch.Tensor | None = None  # trainer-side, same processor settings as vLLM
     image_grid_thw: torch.Tensor | None = None
+    image_features: tuple[torch.Tensor, ...] | None = None
+    """Vision-tower output per image, shared by the prompt's samples for one step (update.encode_images)."""
     gen_batch: int = 0  # which generation batch of the step produced it (DAPO may need several)
     group_index: int = -1  # GRPO group key for the advantage (the prompt uid unless regrouped)
     scores: dict[str, float] = field(default_factory=dict)  # reward outputs (overall, accuracy, ...)

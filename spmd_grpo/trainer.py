@@ -53,7 +53,7 @@ from .model import build_optimizer, build_policy, build_reference, resolve_dtype
 from .reward import load_reward_function, overlong_penalty, score_samples
 from .rollout import Prompt, Sample, SamplingConfig, attach_pixel_values, generate
 from .sampler import PromptSampler
-from .update import UpdateSpec, compute_logprobs, update_policy
+from .update import UpdateSpec, compute_logprobs, encode_images, update_policy
 from .validation import VAL_SEED_OFFSET, validate
 
 log = logging.getLogger("spmd_grpo")
@@ -158,6 +158,7 @@ class Trainer:
                 with timer("adv"):
                     m.update(self.compute_advantages(samples))
                 with timer("old_log_prob"):
+                    encode_images(self.policy, samples, self.spec)  # once per step, frozen tower only
                     for s, lp in zip(samples, compute_logprobs(self.policy, samples, self.spec), strict=True):
                         s.old_logprobs = lp
                 if self.reference is not None:

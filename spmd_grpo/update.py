@@ -30,7 +30,8 @@ from torch import nn
 from .config import Config
 from .correction import Correction, CorrectionSpec, rollout_correction
 from .distributed import World, all_reduce_max, all_reduce_min, all_reduce_sum
-from .logprobs import SequenceBatch, collate
+from .families import family_of
+from .logprobs import ImageBatch, SequenceBatch, collate
 from .loss import aggregate, kl_penalty, policy_loss
 from .metrics import global_means
 from .model import clip_grad_norm
@@ -66,6 +67,8 @@ class UpdateSpec:
     max_grad_norm: float = 1.0
     rollout_correction: CorrectionSpec = field(default_factory=CorrectionSpec)
     """Off (both levels null) unless the config enables it."""
+    reuse_image_features: bool = False
+    """Encode each prompt's images once per step (`encode_images`); only with a frozen vision tower."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, world_size: int, pad_token_id: int) -> UpdateSpec:
@@ -89,18 +92,30 @@ class UpdateSpec:
             kl_coef=alg.kl_coef,
             max_grad_norm=a.max_grad_norm,
             rollout_correction=CorrectionSpec(**dataclasses.asdict(alg.rollout_correction)),
+            reuse_image_features=a.reuse_image_features and a.model.freeze_vision_tower,
         )
 
 
-def collate_samples(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu") -> SequenceBatch:
-    """Right-padded prompt+response batch of rollout samples, with their images, on `device`."""
+def collate_samples(
+    samples: list[Sample], pad_id: int, device: torch.device | str = "cpu", *, packed: bool = False
+) -> SequenceBatch:
+    """Prompt+response batch of rollout samples on `device`, right-padded or packed (padding-free), with
+    their images: the precomputed features where `encode_images` attached them, else the pixels."""
     return collate(
         [s.prompt_ids for s in samples],
         [s.response_ids for s in samples],
         [s.pixel_values for s in samples],
         [s.image_grid_thw for s in samples],
         pad_id,
+        packed=packed,
+        image_features=[s.image_features for s in samples],
     ).to(device)
+
+
+def _collate_for(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> SequenceBatch:
+    """`samples` in the layout `model` was built for (packed when its attention has a varlen path)."""
+    device = next(model.parameters()).device
+    return collate_samples(samples, spec.pad_token_id, device, packed=getattr(model, "padding_free", False))
 
 
 def _pad(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
@@ -113,14 +128,67 @@ def _pad(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Te
 @torch.no_grad()
 def compute_logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> list[torch.Tensor]:
     """Per-sample response logprobs (1-D CPU float32 tensors), micro-batched for experience."""
-    device = next(model.parameters()).device
     out: list[torch.Tensor] = []
     size = spec.experience_micro_batch_size
     for start in range(0, len(samples), size):
         chunk = samples[start : start + size]
-        lp, _ = model(collate_samples(chunk, spec.pad_token_id, device), temperature=spec.temperature)
+        lp, _ = model(_collate_for(model, chunk, spec), temperature=spec.temperature)
         out += [lp[i, : len(s.response_ids)].float().cpu() for i, s in enumerate(chunk)]
     return out
+
+
+def _dummy_image(hf_config) -> ImageBatch:
+    """The smallest image the vision tower takes (2 x 2 patches, one merged token), for a rank with nothing
+    left to encode while other ranks still run the tower (FSDP needs the same calls on every rank)."""
+    v = hf_config.vision_config
+    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    merge = v.spatial_merge_size
+    return ImageBatch(torch.zeros(merge * merge, dim), torch.tensor([[1, merge, merge]]))
+
+
+@torch.no_grad()
+def encode_images(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> None:
+    """Run the vision tower once per prompt for the whole step and attach the features to its samples.
+
+    Only with `spec.reuse_image_features` (a frozen vision tower) and a family whose language model takes
+    only the tower's final output (not Qwen3-VL, see `Family.reusable_image_features`): the n samples of a prompt and every
+    trainer pass of the step (old logprobs, reference, update) then feed the language model these features
+    instead of re-encoding the pixels, which gives the same logprobs. The reference model's tower holds the
+    same (frozen, initial) weights, so it takes the policy's features, cast to its own dtype. With a trained
+    tower nothing is attached and every forward encodes, as the gradient needs.
+
+    Collective: every rank runs the tower the same number of times (the MAX over ranks of its chunks of
+    `experience_micro_batch_size` prompts; a rank with fewer encodes a dummy image), as FSDP requires.
+
+    Memory: the features stay on the device for the step, [image tokens, H] per prompt in the compute dtype.
+    Qwen2.5-VL-7B (H = 3584), ~1000 tokens per geometry3k image: 3584 x 1000 x 2 B = 7.2 MB per image in
+    bf16, 115 MB for 16 prompts per rank; the pixels they replace are re-encoded three times or more per step
+    without reuse (old, reference, each update epoch).
+    """
+    if not spec.reuse_image_features or not family_of(model.config).reusable_image_features:
+        return
+    prompts: dict[int, list[Sample]] = {}  # keyed by the pixel tensor its samples share
+    for s in samples:
+        if s.pixel_values is not None:
+            prompts.setdefault(id(s.pixel_values), []).append(s)
+    groups = list(prompts.values())
+    size = spec.experience_micro_batch_size
+    chunks = [groups[i : i + size] for i in range(0, len(groups), size)]
+    num_calls = int(all_reduce_max(torch.tensor([float(len(chunks))])).item())
+    device = next(model.parameters()).device
+    for k in range(num_calls):
+        if k >= len(chunks):
+            model(_dummy_image(model.config).to(device))
+            continue
+        firsts = [g[0] for g in chunks[k]]
+        images = ImageBatch(
+            torch.cat([s.pixel_values for s in firsts]), torch.cat([s.image_grid_thw for s in firsts])
+        )
+        features = model(images.to(device))
+        for group, s in zip(chunks[k], firsts, strict=True):
+            mine, features = features[: len(s.image_grid_thw)], features[len(s.image_grid_thw) :]
+            for sample in group:
+                sample.image_features = tuple(mine)
 
 
 def _add(sums: MetricSums, name: str, total: float, count: float) -> None:
@@ -168,7 +236,7 @@ def _micro_batch_loss(
 ) -> torch.Tensor:
     """This micro-batch's share of the global mini-batch loss; adds its metric sums to `sums`."""
     device = next(policy.parameters()).device
-    batch = collate_samples(samples, spec.pad_token_id, device)
+    batch = _collate_for(policy, samples, spec)
     mask, is_weights = _train_mask(batch.response_mask, correction, spec)
     width = mask.shape[1]
     logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)

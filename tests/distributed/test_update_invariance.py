@@ -17,12 +17,13 @@ MODES = ["token-mean", "seq-mean-token-mean"]
 
 @pytest.fixture(scope="module")
 def grads(tiny_untied, tmp_path_factory):
-    """{(world, mode, micro): gradient} for world 1 (micro 8 and 1) and world 2 (micro 4 and 1)."""
+    """{(world, mode, micro): gradient} for world 1 (micro 8 and 1) and world 2 (micro 4 and 1), and
+    {(world, variant): gradient} for the packed / frozen-tower / reused-feature variants."""
     out = {}
     for world, micros in [(1, "8,1"), (2, "4,1")]:
         path = tmp_path_factory.mktemp("grads") / f"w{world}.pt"
         job = ["tests/jobs/grad_invariance.py", str(tiny_untied), str(path), "--micro", micros]
-        torchrun([*job, "--modes", ",".join(MODES)], nproc=world)
+        torchrun([*job, "--modes", ",".join(MODES), "--variants"], nproc=world)
         out.update({(world, *key): g for key, g in torch.load(path).items()})
     return out
 
@@ -58,3 +59,15 @@ def test_gradient_same_for_micro_batches_and_world_size(grads, mode):
 def test_modes_give_different_gradients(grads):
     """The two aggregation modes weigh tokens differently: the cases above compare distinct gradients."""
     assert _max_rel(grads[1, MODES[0], 8], grads[1, MODES[1], 8]) > 1e-3
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_packed_forward_and_reused_image_features_keep_the_gradient_under_fsdp(grads, world):
+    """Packed micro-batches give the padded gradient; with a frozen vision tower, image features encoded
+    once per step give the gradient of encoding in every forward, also when the ranks have different
+    numbers of images to encode (world 2: dummy images keep the tower's collectives aligned)."""
+    assert _max_rel(grads[world, "token-mean", 1], grads[world, "packed"]) <= 1e-5
+    frozen, reused = grads[world, "frozen"], grads[world, "reuse"]
+    assert set(frozen) == set(reused) and not any(".visual." in n for n in frozen)
+    assert any(".visual." in n for n in grads[world, "packed"])
+    assert _max_rel(frozen, reused) <= 1e-5

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import replace
 
 import torch
 from PIL import Image
@@ -20,18 +21,21 @@ from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig
 from spmd_grpo.distributed import init_distributed
 from spmd_grpo.model import build_policy, clip_grad_norm
 from spmd_grpo.rollout import Prompt, Sample
-from spmd_grpo.update import UpdateSpec, compute_logprobs, mini_batch_backward
+from spmd_grpo.update import UpdateSpec, compute_logprobs, encode_images, mini_batch_backward
 from tests.jobs.common import encode, run_job
 
 NUM_SAMPLES = 8
 
 
-def make_samples(processor, vocab_limit: int) -> list[Sample]:
+def make_samples(processor, vocab_limit: int, share_from: int | None = None) -> list[Sample]:
+    """NUM_SAMPLES samples with their own images; with `share_from` k, samples k.. all take sample k's prompt
+    and image (one pixel tensor, as the n samples of one prompt)."""
     gen = torch.Generator().manual_seed(1234)
     samples = []
     for i in range(NUM_SAMPLES):
         image = Image.new("RGB", (56, 56 + 28 * (i % 2)), ((40 * i) % 255, 100, 200))
-        enc = encode(processor, [image], f"Which color? {i}")
+        if share_from is None or i <= share_from:
+            enc = encode(processor, [image], f"Which color? {i}")
         length = 3 + (5 * i) % 9  # 3..11 tokens: uneven micro-batches
         response = torch.randint(0, vocab_limit, (length,), generator=gen).tolist()
         prompt = Prompt(uid=i // 2, prompt_token_ids=[], images=[image])
@@ -77,6 +81,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--micro", required=True, help="comma-separated micro-batch sizes")
     ap.add_argument("--modes", default="token-mean", help="comma-separated loss aggregation modes")
+    ap.add_argument("--variants", action="store_true", help="also packed / reused-image-feature cases")
     args = ap.parse_args()
     from transformers import AutoProcessor
 
@@ -104,8 +109,30 @@ def main() -> None:
                 base, loss_agg_mode=mode, micro_batch_size=micro, experience_micro_batch_size=micro
             )
             out[(mode, micro)] = gradient(policy, samples, spec, world)
+    if args.variants:
+        out.update(variants(policy, actor, processor, replace(base, micro_batch_size=2), world))
     if world.rank == 0:
         torch.save(out, args.out)
+
+
+def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> dict:
+    """("packed",): the padding-free forward; ("frozen",) / ("reuse",): a policy with a frozen vision tower
+    without / with image features encoded once (`encode_images`). Rank 1's samples 4.. share one image, so
+    the ranks have different numbers of images to encode (8 against 5 calls of one prompt: rank 1 runs
+    3 dummy images to keep FSDP's collectives aligned)."""
+    out = {}
+    policy.padding_free = True
+    out[("packed",)] = gradient(policy, make_samples(processor, 256), spec, world)
+    policy.padding_free = False
+    frozen = build_policy(replace(actor, model=replace(actor.model, freeze_vision_tower=True)), world)
+    share_from = 4 if world.rank == 1 else None
+    out[("frozen",)] = gradient(frozen, make_samples(processor, 256, share_from), spec, world)
+    reuse = replace(spec, reuse_image_features=True)
+    samples = make_samples(processor, 256, share_from)
+    encode_images(frozen, samples, reuse)
+    assert all(s.image_features is not None for s in samples)
+    out[("reuse",)] = gradient(frozen, samples, reuse, world)
+    return out
 
 
 if __name__ == "__main__":

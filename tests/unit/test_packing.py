@@ -1,0 +1,201 @@
+"""Padding-free (packed) forward and reused image features give the padded, encode-every-time results.
+
+Tiny random Qwen2.5-VL in fp32 on CPU (sdpa: transformers builds the block-diagonal causal mask from the
+packed position ids). Compared: per-token logprobs and entropy, and the gradient of every parameter, for
+several mixes of prompt/response lengths with images of different sizes, two images in one prompt and a
+prompt without images.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from spmd_grpo import model as model_module
+from spmd_grpo.config import ConfigError, load_config
+from spmd_grpo.logprobs import ImageBatch, PolicyModule, collate, mrope_position_ids, unsamplable_token_ids
+from spmd_grpo.rollout import Prompt, Sample
+from spmd_grpo.update import UpdateSpec, _dummy_image, compute_logprobs, encode_images
+from tests.conftest import tiny_model
+
+# (image sizes of the prompt, response length) per sequence; a response token list is made from its length.
+LENGTH_MIXES = {
+    "short-long-one": [([(56, 56)], 7), ([(84, 56)], 1), ([(56, 112)], 12)],
+    "two-images-and-text-only": [([(56, 56), (84, 84)], 3), ([], 9), ([(56, 84)], 5)],
+    "equal-lengths-same-prompt": [([(56, 56)], 5)] * 3 + [([(112, 56)], 5)],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    d = tiny_model()
+    processor = AutoProcessor.from_pretrained(d)
+    hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+    return processor, PolicyModule(hf, unsamplable_token_ids(hf.config), chunk_size=5)
+
+
+def _encode(processor, sizes: list[tuple[int, int]], key: int):
+    content = [{"type": "image"} for _ in sizes] + [{"type": "text", "text": f"Which color? {key}"}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    images = [Image.new("RGB", size, (40 * key % 255, 90, 200 - 10 * i)) for i, size in enumerate(sizes)]
+    enc = processor(text=[text], images=images or None, return_tensors="pt")
+    if not sizes:
+        return enc["input_ids"][0].tolist(), None, None
+    return enc["input_ids"][0].tolist(), enc["pixel_values"], enc["image_grid_thw"]
+
+
+def _sequences(processor, mix):
+    """(prompt ids, response ids, pixels, grids) per sequence; equal specs share one encoded prompt."""
+    encoded = {}
+    prompts, responses, pixels, grids = [], [], [], []
+    for i, (sizes, n) in enumerate(mix):
+        key = tuple(sizes)
+        if key not in encoded:
+            encoded[key] = _encode(processor, sizes, len(encoded))
+        ids, pv, grid = encoded[key]
+        prompts.append(ids)
+        responses.append([(17 * i + 5 * j) % 300 + 20 for j in range(n)])
+        pixels.append(pv)
+        grids.append(grid)
+    return prompts, responses, pixels, grids
+
+
+def _run(policy: PolicyModule, batch, weights: torch.Tensor):
+    """(logprobs, entropy, {name: grad}) of a fixed weighted sum of both, so every token's gradient counts."""
+    policy.zero_grad(set_to_none=True)
+    lp, ent = policy(batch, temperature=0.7, with_entropy=True)
+    ((lp * weights).sum() + 0.3 * (ent * weights).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    return lp.detach(), ent.detach(), grads
+
+
+def _assert_same_grads(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:
+        scale = a[name].abs().max().item()
+        err = (a[name] - b[name]).abs().max().item()
+        assert err <= 1e-5 * scale + 1e-9, f"{name}: max error {err:.3g} vs max |grad| {scale:.3g}"
+
+
+@pytest.mark.parametrize("mix", list(LENGTH_MIXES))
+def test_packed_forward_equals_padded_logprobs_and_gradients(tiny, mix):
+    processor, policy = tiny
+    seqs = _sequences(processor, LENGTH_MIXES[mix])
+    pad = processor.tokenizer.pad_token_id
+    padded = collate(*seqs, pad)
+    packed = collate(*seqs, pad, packed=True)
+    assert packed.input_ids.shape == (1, int(padded.attention_mask.sum())) and packed.attention_mask is None
+    weights = torch.rand(padded.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    lp_pad, ent_pad, g_pad = _run(policy, padded, weights)
+    lp_pack, ent_pack, g_pack = _run(policy, packed, weights)
+    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_pack, ent_pad, atol=1e-5, rtol=0)
+    assert (lp_pad[padded.response_mask == 0] == 0).all() and (lp_pad[padded.response_mask == 1] < 0).all()
+    _assert_same_grads(g_pad, g_pack)
+
+
+def test_packed_positions_have_a_text_row_without_which_sequences_attend_to_each_other(tiny):
+    processor, policy = tiny
+    seqs = _sequences(processor, LENGTH_MIXES["short-long-one"])
+    pad = processor.tokenizer.pad_token_id
+    packed, padded = collate(*seqs, pad, packed=True), collate(*seqs, pad)
+    pos = mrope_position_ids(policy.hf, packed)
+    assert pos.shape == (4, 1, packed.input_ids.shape[1])
+    lengths = packed.sequence_lengths.tolist()
+    assert pos[0, 0].tolist() == [t for n in lengths for t in range(n)]
+    # Rows 1-3 are the padded batch's mrope positions of the valid tokens, sequence by sequence.
+    assert torch.equal(pos[1:, 0], mrope_position_ids(policy.hf, padded)[:, padded.attention_mask.bool()])
+    with torch.no_grad():
+        hf_inputs = dict(input_ids=packed.input_ids, pixel_values=packed.pixel_values, use_cache=False)
+        hf_inputs["image_grid_thw"] = packed.image_grid_thw
+        right = policy.hf.model(position_ids=pos, **hf_inputs).last_hidden_state
+        wrong = policy.hf.model(position_ids=pos[1:], **hf_inputs).last_hidden_state
+    first = lengths[0]  # the first sequence sees nothing before it either way; the others differ
+    torch.testing.assert_close(wrong[:, :first], right[:, :first], atol=1e-5, rtol=0)
+    assert (wrong[:, first:] - right[:, first:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_reused_image_features_give_the_same_logprobs_and_gradients(tiny, packed):
+    processor, policy = tiny
+    policy.hf.model.visual.requires_grad_(False)
+    try:
+        prompts, responses, pixels, grids = _sequences(processor, LENGTH_MIXES["two-images-and-text-only"])
+        with torch.no_grad():
+            features = [
+                None if pv is None else tuple(policy(ImageBatch(pv, g)))
+                for pv, g in zip(pixels, grids, strict=True)
+            ]
+        pad = processor.tokenizer.pad_token_id
+        encoded = collate(prompts, responses, pixels, grids, pad, packed=packed)
+        reused = collate(prompts, responses, pixels, grids, pad, packed=packed, image_features=features)
+        assert reused.pixel_values is None and len(reused.image_features) == 3
+        weights = torch.rand(encoded.response_mask.shape, generator=torch.Generator().manual_seed(1))
+        lp_a, ent_a, g_a = _run(policy, encoded, weights)
+        lp_b, ent_b, g_b = _run(policy, reused, weights)
+        torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=0)
+        torch.testing.assert_close(ent_b, ent_a, atol=1e-6, rtol=0)
+        _assert_same_grads(g_a, g_b)
+        assert not any(n.startswith("hf.model.visual") for n in g_a)
+    finally:
+        policy.hf.model.visual.requires_grad_(True)
+
+
+def _samples(processor, mix) -> list[Sample]:
+    prompts, responses, pixels, grids = _sequences(processor, mix)
+    return [
+        Sample(Prompt(i, p), i, p, r, [0.0] * len(r), pixel_values=pv, image_grid_thw=g)
+        for i, (p, r, pv, g) in enumerate(zip(prompts, responses, pixels, grids, strict=True))
+    ]
+
+
+def test_encode_images_once_per_prompt_then_every_pass_reuses_them(tiny):
+    processor, policy = tiny
+    mix = LENGTH_MIXES["equal-lengths-same-prompt"] + LENGTH_MIXES["two-images-and-text-only"]
+    spec = UpdateSpec(0.7, processor.tokenizer.pad_token_id, 16, 8, 8, experience_micro_batch_size=2)
+    baseline = compute_logprobs(policy, _samples(processor, mix), spec)
+    samples = _samples(processor, mix)
+    encode_images(policy, samples, spec)  # reuse off: nothing attached
+    assert all(s.image_features is None for s in samples)
+    spec = dataclasses.replace(spec, reuse_image_features=True)
+    calls = []
+    hook = policy.hf.model.visual.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append(len(kwargs["grid_thw"])), with_kwargs=True
+    )
+    try:
+        encode_images(policy, samples, spec)
+        policy.padding_free = True
+        reused = compute_logprobs(policy, samples, spec)
+    finally:
+        hook.remove()
+        policy.padding_free = False
+    # 4 distinct pixel tensors (the first 3 samples share one) in chunks of 2 prompts: 2 tower calls.
+    assert calls == [2, 3]
+    assert samples[0].image_features is samples[1].image_features is samples[2].image_features
+    assert samples[5].image_features is None and len(samples[4].image_features) == 2
+    for a, b in zip(baseline, reused, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+def test_dummy_image_runs_through_the_tower(tiny):
+    _, policy = tiny
+    with torch.no_grad():
+        (features,) = policy(_dummy_image(policy.config))
+    assert features.shape == (1, policy.config.text_config.hidden_size)
+
+
+def test_padding_free_setting_picks_packing_and_attention(monkeypatch):
+    assert model_module.attention_setup("auto", "cpu") == (False, "sdpa")
+    assert model_module.attention_setup(True, "cpu") == (True, "sdpa")
+    monkeypatch.setattr(model_module, "varlen_attention", lambda device_type: "flash_attention_2")
+    assert model_module.attention_setup("auto", "cuda") == (True, "flash_attention_2")
+    assert model_module.attention_setup(False, "cuda") == (False, "flash_attention_2")
+    base = ["worker.actor.model.model_path=x", "data.train_files=x"]
+    assert load_config(None, [*base, "worker.actor.padding_free=true"]).worker.actor.padding_free is True
+    assert load_config(None, base).worker.actor.padding_free == "auto"
+    with pytest.raises(ConfigError, match="padding_free"):
+        load_config(None, [*base, "worker.actor.padding_free=sometimes"])
