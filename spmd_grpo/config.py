@@ -351,7 +351,13 @@ class TrainerConfig:
     save_freq: int = -1
     save_limit: int = 2
     resume: str = "auto"
-    """auto | none | <path to a global_step_N dir>."""
+    """auto: continue the run in the run directory (from its newest complete checkpoint; a new run if the
+    directory holds none) | none: a new run (an error if the directory holds a run) | <path to a
+    global_step_N dir>. What each does with the directory: resume.py."""
+    allow_config_change: tuple[str, ...] = ()
+    """Dotted keys that may differ from the saved config on resume although they change what the saved
+    state means (model, data, batch shape, objective; list in resume.py); without them such a change is an
+    error."""
     collective_timeout_s: int = 1800
     log_every: int = 1
     log_memory: bool = True

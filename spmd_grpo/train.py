@@ -1,8 +1,9 @@
 """GRPO for Qwen2.5-VL as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
 
 This entry point parses the command line, loads and validates the config against the world size from
-torchrun's environment BEFORE any process group or model exists (a config error prints one line on stderr
-and exits with code 2), then either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step
+torchrun's environment BEFORE any process group or model exists, decides what the start does with the run
+directory (new run or resume; a config changed since the saved one; resume.py), all of which print one
+line on stderr and exit with code 2 when wrong, then either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step
 is described in trainer.py).
 """
 
@@ -56,13 +57,16 @@ def main(argv: list[str] | None = None) -> None:
             return
         validate(cfg, env_world_size())
         check_versions()
+        from .resume import plan_start  # imports torch: after the config checks, which do not need it
+
+        plan = plan_start(cfg)  # new run or resume, and the config diff, before anything is written
     except (ConfigError, ValueError, VersionError) as e:
         kind = "version" if isinstance(e, VersionError) else "config"
         print(f"{kind} error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     from .trainer import run
 
-    run(cfg)
+    run(cfg, plan)
 
 
 if __name__ == "__main__":

@@ -38,10 +38,11 @@ import signal
 from dataclasses import dataclass
 
 import torch
+import yaml
 
 from . import distributed as D
 from .advantage import compute_batch_std_advantages, compute_grpo_advantages
-from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, dump_yaml
 from .data import load_dataset
 from .dynamic_sampling import collect_groups
@@ -49,6 +50,7 @@ from .engine import RolloutEngine
 from .loggers import Loggers, build_loggers
 from .metrics import Timer, perf_metrics, sample_metrics
 from .model import build_optimizer, build_policy, build_reference, resolve_dtype
+from .resume import StartPlan, plain_config, plan_start
 from .reward import load_reward_function, overlong_penalty, score_samples
 from .rollout import Prompt, Sample, SamplingConfig, attach_pixel_values, generate
 from .sampler import PromptSampler
@@ -73,10 +75,10 @@ class RunState:
 class Trainer:
     """Everything one rank holds for a run: data, policy, optimizer, reference, engine, loggers, state."""
 
-    def __init__(self, cfg: Config, world: D.World) -> None:
+    def __init__(self, cfg: Config, world: D.World, plan: StartPlan) -> None:
         from transformers import AutoProcessor
 
-        self.cfg, self.world, self.state = cfg, world, RunState()
+        self.cfg, self.world, self.state, self.plan = cfg, world, RunState(), plan
         d, actor = cfg.data, cfg.worker.actor
         # `size`: transformers replays min_pixels/max_pixels given here as deprecated per-call kwargs.
         self.processor = AutoProcessor.from_pretrained(
@@ -180,9 +182,10 @@ class Trainer:
         self._finish()
 
     def _start(self) -> None:
-        """Write the resolved config, resume, listen for preemption, validate before training if asked."""
+        """Resume, write the resolved config, listen for preemption, validate before training if asked."""
+        self.resume()
         if self.world.is_main:
-            dump_yaml(self.cfg, self.cfg.run_dir / "config.yaml")
+            self._write_config()
             log.info(
                 "run dir %s; %d prompts, %d steps, world %d",
                 self.cfg.run_dir,
@@ -198,7 +201,6 @@ class Trainer:
             log.warning(
                 "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
             )
-        self.resume()
         self.loggers = build_loggers(
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )
@@ -332,16 +334,28 @@ class Trainer:
                 world=self.world,
                 save_limit=self.cfg.trainer.save_limit,
                 model_path=self.cfg.worker.actor.model.model_path,
+                config=plain_config(self.cfg),
             )
 
     def resume(self) -> None:
-        """Policy, optimizer, schedule, data position, policy version and RNG from the checkpoint to resume."""
-        checkpoint = find_checkpoint(self.cfg.run_dir, self.cfg.trainer.resume)
-        if checkpoint is None:
+        """Policy, optimizer, schedule, data position, policy version and RNG from the checkpoint the start
+        plan chose (resume.py; the config was checked against the saved one before anything was built)."""
+        if self.plan.checkpoint is None:
             return
-        saved = load_checkpoint(checkpoint, policy=self.policy, optim=self.optim, world=self.world)
-        self.sampler.load_state_dict(saved["sampler"])
+        saved = load_checkpoint(self.plan.checkpoint, policy=self.policy, optim=self.optim, world=self.world)
+        if not self.plan.reset_data_position:
+            self.sampler.load_state_dict(saved["sampler"])
         self.state.step, self.state.version = saved["step"], saved["version"]
+
+    def _write_config(self) -> None:
+        """The resolved config as `<run dir>/config.yaml`; a different one already there (the run's config
+        before a resume that changed settings) is kept as `config.until_step_<k>.yaml`."""
+        path = self.cfg.run_dir / "config.yaml"
+        if path.is_file() and _read_yaml(path) != plain_config(self.cfg):
+            kept = path.with_name(f"config.until_step_{self.state.step}.yaml")
+            path.replace(kept)
+            log.info("the run's previous config moved to %s", kept)
+        dump_yaml(self.cfg, path)
 
     def write_metrics(self, step: int, timer: Timer, m: dict[str, float]) -> None:
         """The step's metrics (global over ranks; collective) to the loggers (rank 0 has them)."""
@@ -355,8 +369,17 @@ class Trainer:
             log.info(D.memory_line(self.world.device_type, phase))
 
 
-def run(cfg: Config) -> None:
-    """Train `cfg` on this rank (the process group is created here, after the config was validated)."""
+def _read_yaml(path) -> object:
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # unreadable: kept aside like a different one
+
+
+def run(cfg: Config, plan: StartPlan | None = None) -> None:
+    """Train `cfg` on this rank (the process group is created here, after the config was validated and
+    `plan` (resume.plan_start, made here when not given) decided what to do with the run directory)."""
+    plan = plan or plan_start(cfg)  # before any file is written
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     _setup_logging(cfg, world)
@@ -372,8 +395,10 @@ def run(cfg: Config) -> None:
         )
         for problem in check_versions():  # only with SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1
             log.warning("untested: %s", problem)
+        for line in plan.lines():
+            log.info(line)
     D.seed_everything(cfg.trainer.seed)
-    Trainer(cfg, world).train()
+    Trainer(cfg, world, plan).train()
 
 
 def _setup_logging(cfg: Config, world: D.World) -> None:
