@@ -352,7 +352,10 @@ class Trainer:
         before a resume that changed settings) is kept as `config.until_step_<k>.yaml`."""
         path = self.cfg.run_dir / "config.yaml"
         if path.is_file() and _read_yaml(path) != plain_config(self.cfg):
-            kept = path.with_name(f"config.until_step_{self.state.step}.yaml")
+            kept, i = path.with_name(f"config.until_step_{self.state.step}.yaml"), 0
+            while kept.exists():  # never over an earlier kept one (resumed from this step before)
+                i += 1
+                kept = path.with_name(f"config.until_step_{self.state.step}.{i}.yaml")
             path.replace(kept)
             log.info("the run's previous config moved to %s", kept)
         dump_yaml(self.cfg, path)
