@@ -1,10 +1,10 @@
 """GRPO for Qwen2.5-VL as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
 
 This entry point parses the command line, loads and validates the config against the world size from
-torchrun's environment BEFORE any process group or model exists, decides what the start does with the run
-directory (new run or resume; a config changed since the saved one; resume.py), all of which print one
-line on stderr and exit with code 2 when wrong, then either prints the `--dry-run` plan or starts the loop (`trainer.run`; the step
-is described in trainer.py).
+torchrun's environment BEFORE any process group or model exists and decides what the start does with the
+run directory (new run or resume, and the config's changes since the saved one: resume.py); a problem in
+either prints one line on stderr and exits with code 2. Then it prints the `--dry-run` plan or starts the
+loop (`trainer.run`; the step is described in trainer.py).
 """
 
 from __future__ import annotations
