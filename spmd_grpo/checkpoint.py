@@ -7,12 +7,14 @@ Layout of `<run_dir>/checkpoints/`:
                                       dicts from `get_state_dict`, keyed by clean FQNs (`hf.model.language_model...`)
         scheduler.pt                  LR scheduler state (rank 0)
         rng/rank{r}.pt                python `random`, numpy, torch CPU and accelerator RNG of rank r
+        config.yaml                   the resolved config the run had when it saved (rank 0; what a resume
+                                      compares its config with: resume.py)
         trainer_state.json            the caller's trainer state + `step`, `world_size`, `model_path`
     latest                            name of the newest checkpoint directory (written atomically)
 
 Completeness rule: a checkpoint directory is COMPLETE iff its name is `global_step_{N}` (no `.tmp` suffix) and
 it contains `trainer_state.json`. That file is written last, after DCP's `.metadata` (itself written only once
-every rank's shards are on disk), the scheduler and every rank's RNG file.
+every rank's shards are on disk), the scheduler, the config and every rank's RNG file.
 
 Crash safety: everything is written into `global_step_{N}.tmp/` and renamed by rank 0 once complete, then
 `latest` is replaced atomically (write `latest.tmp`, fsync, `os.replace`). A kill during a save leaves only a
@@ -25,6 +27,11 @@ Resharding: DCP stores each tensor's global shape and the chunks each rank wrote
 shards of the CURRENT world's DTensors, so a checkpoint saved at world size W loads at any world size (model and
 Adam state). The RNG streams are per rank and are only restored when the world size is unchanged; otherwise they
 restart from the run's seed (logged once).
+
+What a resume restores: the weights, Adam's moments and step counts, the schedule's POSITION, the RNG. The
+optimizer's settings (lr, betas, weight decay, the schedule's base lr and shape) come from the config of the
+run that resumes, so a changed `lr` or `max_steps` takes effect (both the optimizer's and the scheduler's
+state dicts carry the old values, which torch would otherwise restore silently).
 
 The optimizer state must exist when saving: `get_state_dict` initialises an empty AdamW state with a zero-lr step
 (which sets its step counter to 1), so save after the first optimizer step, not before.
@@ -44,6 +51,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -57,6 +65,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
 SCHEDULER = "scheduler.pt"
+CONFIG = "config.yaml"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
@@ -82,7 +91,7 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _complete_checkpoints(ckpt_root: Path) -> dict[int, Path]:
+def complete_checkpoints(ckpt_root: Path) -> dict[int, Path]:
     """step -> directory for every complete `global_step_N` (no warnings)."""
     if not ckpt_root.is_dir():
         return {}
@@ -161,11 +170,13 @@ def save_checkpoint(
     world: World,
     save_limit: int,
     model_path: str,
+    config: dict | None = None,
 ) -> Path:
     """Save a complete checkpoint of step `step`; collective (every rank calls it). Returns the final directory.
 
     `trainer_state` must be JSON-serialisable and should be the same on every rank (rank 0's copy is written).
     Keeps the newest `save_limit` complete checkpoints (`<= 0`: all); never deletes the one just written.
+    `config`: the run's resolved config as plain data, saved as `config.yaml` with the checkpoint.
     """
     if "step" in trainer_state and trainer_state["step"] != step:
         raise ValueError(f"trainer_state['step']={trainer_state['step']} but saving step {step}")
@@ -186,6 +197,8 @@ def save_checkpoint(
     torch.save(_rng_state(world), tmp / "rng" / f"rank{world.rank}.pt")
     if world.is_main:
         torch.save(optim.scheduler.state_dict(), tmp / SCHEDULER)
+        if config is not None:
+            (tmp / CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
     barrier()  # every rank's files are on disk
 
     if world.is_main:
@@ -210,7 +223,7 @@ def save_checkpoint(
 def _prune(root: Path, keep: Path, save_limit: int) -> None:
     if save_limit <= 0:
         return
-    complete = sorted(_complete_checkpoints(root).items())
+    complete = sorted(complete_checkpoints(root).items())
     excess = len(complete) - save_limit
     for _, path in complete:
         if excess <= 0:
@@ -267,7 +280,7 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return None
-    complete = _complete_checkpoints(root)
+    complete = complete_checkpoints(root)
     for p in sorted(root.iterdir()):
         if p.name.startswith("global_step_") and p not in complete.values():
             log.warning(
@@ -307,6 +320,10 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
         raise ValueError(f"{path} is not a complete checkpoint: missing {', '.join(missing)}")
     state = json.loads((path / TRAINER_STATE).read_text())
 
+    settings = [
+        {k: v for k, v in g.items() if k not in ("params", "lr")} for g in optim.optimizer.param_groups
+    ]
+    base_lrs = list(optim.scheduler.base_lrs)
     model_sd, optim_sd = get_state_dict(policy, optim.optimizer)
     to_load = {"model": model_sd, "optim": optim_sd}
     _check_keys(path, to_load)
@@ -315,6 +332,7 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
         policy, optim.optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"]
     )
     optim.scheduler.load_state_dict(_load_data(path / SCHEDULER))
+    _keep_settings(optim, settings, base_lrs)
 
     rng_file = path / "rng" / f"rank{world.rank}.pt"
     saved_world = state.get("world_size")
@@ -329,6 +347,19 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
         log.warning("RNG streams restart from the seed (not restored from %s): %s", path, why)
     log.info("resumed from %s (step %s)", path, state.get("step"))
     return state
+
+
+def _keep_settings(optim: OptimizerBundle, settings: list[dict], base_lrs: list[float]) -> None:
+    """Put back this run's optimizer settings and base lrs over the loaded ones, then set each group's lr to
+    base lr x schedule(saved position), as the scheduler itself computes it."""
+    for group, own in zip(optim.optimizer.param_groups, settings, strict=True):
+        group.update(own)
+    scheduler = optim.scheduler
+    scheduler.base_lrs = base_lrs
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optim.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (torch's load_state_dict sets it the same way)
 
 
 def _load_data(file: Path):

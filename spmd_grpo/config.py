@@ -601,7 +601,13 @@ class TrainerConfig:
     save_limit: int = 2
     """Keep the newest N complete checkpoints (-1: all)."""
     resume: str = "auto"
-    """auto | none | <path to a global_step_N dir>."""
+    """auto: continue the run in the run directory (from its newest complete checkpoint; a new run if the
+    directory holds none) | none: a new run (an error if the directory holds a run) | <path to a
+    global_step_N dir>. What each does with the directory: resume.py."""
+    allow_config_change: tuple[str, ...] = ()
+    """Dotted keys that may differ from the saved config on resume although they change what the saved
+    state means (model, data, batch shape, objective; list in resume.py); without them such a change is an
+    error."""
     collective_timeout_s: int = 1800
     preempt_grace_s: float = 25.0
     """After SIGTERM/SIGINT the run stops at the next step boundary, saving that step; if it is not done

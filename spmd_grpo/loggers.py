@@ -16,14 +16,18 @@ reduction, see metrics.py). Each logger takes the step's metrics under verl's na
                  generations as a JSON artifact per validation
 
 The tracker packages are imported inside their classes only (the config check has already made sure they
-are installed). On resume from step k every logger starts after k: metrics.jsonl moves later rows aside and
-tensorboard purges later events; wandb, swanlab and mlflow start a new run.
+are installed). On resume from step k every logger starts after k, so each step is logged once: the rows
+of metrics.jsonl and val_generations.jsonl of steps after k (written after the checkpoint, before the crash,
+and about to be redone) move to `metrics.rolledback.jsonl` / `val_generations.rolledback.jsonl`, and
+tensorboard purges the events of those steps; wandb, swanlab and mlflow start a new run. A run that restarts
+at step 0 (no checkpoint to resume, see resume.py) moves every earlier row aside, step 0's included.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Protocol
@@ -108,16 +112,55 @@ class ConsoleLogger:
         self.bar.close()
 
 
+def first_logged_step(start_step: int) -> int:
+    """The first step a run starting after `start_step` logs: step 0 (validation before training) only when
+    it starts from the beginning."""
+    return start_step + 1 if start_step > 0 else 0
+
+
+def roll_back_jsonl(path: Path, first_step: int) -> int:
+    """Move the rows of `path` with `step >= first_step` to `<name>.rolledback.jsonl` (appended: nothing is
+    lost), so the redone steps appear once. A torn last line (a crash in the middle of a write) is moved too.
+    The kept rows replace the file atomically (fsynced temp file + rename). Returns how many rows moved."""
+    if not path.is_file():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            step = first_step  # unreadable: the torn end of a write that the resume redoes
+        (keep if step < first_step else moved).append(line)
+    if not moved:
+        return 0
+    with path.with_name(path.stem + ".rolledback.jsonl").open("a") as f:
+        f.write("".join(line + "\n" for line in moved))
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in keep))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(moved)
+
+
 class JsonlLogger:
     """`metrics.jsonl` (one row per step, flushed; see `MetricsWriter`) and `val_generations.jsonl`."""
 
     def __init__(self, run_dir: Path, start_step: int) -> None:
         self.writer = MetricsWriter(run_dir, enabled=True)
         self.generations = run_dir / "val_generations.jsonl"
-        if start_step > 0 and self.writer.rollback(start_step):
-            log.warning(
-                "metrics of steps after %d moved to metrics.rolledback.jsonl: they are redone", start_step
-            )
+        first = first_logged_step(start_step)
+        for path in (self.writer.path, self.generations):
+            moved = roll_back_jsonl(path, first)
+            if moved:
+                log.warning(
+                    "%d rows of steps >= %d moved from %s to %s: those steps are redone",
+                    moved,
+                    first,
+                    path,
+                    path.stem + ".rolledback.jsonl",
+                )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.writer.write(step, metrics)
@@ -151,8 +194,9 @@ class TensorboardLogger:
     def __init__(self, log_dir: Path, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: after a resume, events of the redone steps (written before the crash) are dropped.
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1 if start_step else None)
+        # purge_step: events of the redone steps (written before the crash) are dropped (steps >= it).
+        purge = first_logged_step(start_step) if log_dir.is_dir() else None
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():

@@ -87,22 +87,6 @@ class MetricsWriter:
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
 
-    def rollback(self, step: int) -> int:
-        """On resume from `step`: rows of later steps (written before a crash, about to be redone) move to
-        `metrics.rolledback.jsonl`, so metrics.jsonl has one row per step and nothing is lost. Returns the count."""
-        if not self.enabled or not self.path.exists():
-            return 0
-        keep, moved = [], []
-        for line in self.path.read_text().splitlines():
-            (keep if json.loads(line)["step"] <= step else moved).append(line)
-        if moved:
-            with self.path.with_name("metrics.rolledback.jsonl").open("a") as f:
-                f.write("\n".join(moved) + "\n")
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            tmp.replace(self.path)
-        return len(moved)
-
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return

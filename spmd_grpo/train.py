@@ -2,9 +2,10 @@
 
 This entry point parses the command line, loads and validates the config against the world size from
 torchrun's environment BEFORE any process group or model exists (values, paths that must exist, the data
-set's size, a model whose family is not supported; a user reward file is imported), where a config error
-prints one line on stderr and exits with code 2; then it either prints the `--dry-run` plan or starts the
-loop (`trainer.run`; the step is described in trainer.py).
+set's size, a model whose family is not supported; a user reward file is imported) and decides what the
+start does with the run directory (new run or resume, and the config's changes since the saved one:
+resume.py); a problem in either prints one line on stderr and exits with code 2. Then it prints the
+`--dry-run` plan or starts the loop (`trainer.run`; the step is described in trainer.py).
 """
 
 from __future__ import annotations
@@ -82,13 +83,16 @@ def main(argv: list[str] | None = None) -> None:
         check_reward_imports(cfg)
         check_family(cfg.worker.actor.model.model_path)
         check_versions()
+        from .resume import plan_start  # imports torch: after the config checks, which do not need it
+
+        plan = plan_start(cfg)  # new run or resume, and the config diff, before anything is written
     except (ConfigError, ValueError, VersionError) as e:
         kind = "version" if isinstance(e, VersionError) else "config"
         print(f"{kind} error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     from .trainer import run
 
-    run(cfg)
+    run(cfg, plan)
 
 
 if __name__ == "__main__":

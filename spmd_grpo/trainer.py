@@ -39,10 +39,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+import yaml
 
 from . import distributed as D
 from .advantage import compute_batch_std_advantages, compute_grpo_advantages
-from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, dump_yaml
 from .data import load_dataset
 from .dynamic_sampling import collect_groups
@@ -50,6 +51,7 @@ from .engine import RolloutEngine
 from .loggers import Loggers, build_loggers
 from .metrics import Timer, perf_metrics, sample_metrics
 from .model import build_optimizer, build_policy, build_reference, resolve_dtype
+from .resume import StartPlan, plain_config, plan_start
 from .reward import load_reward_function, overlong_penalty, score_samples
 from .rollout import Prompt, Sample, SamplingConfig, attach_pixel_values, generate
 from .sampler import PromptSampler
@@ -75,10 +77,12 @@ class RunState:
 class Trainer:
     """Everything one rank holds for a run: data, policy, optimizer, reference, engine, loggers, state."""
 
-    def __init__(self, cfg: Config, world: D.World, stop: D.StopOnSignal | None = None) -> None:
+    def __init__(
+        self, cfg: Config, world: D.World, plan: StartPlan, stop: D.StopOnSignal | None = None
+    ) -> None:
         from transformers import AutoProcessor
 
-        self.cfg, self.world, self.state = cfg, world, RunState()
+        self.cfg, self.world, self.state, self.plan = cfg, world, RunState(), plan
         self.stop = stop or D.StopOnSignal(cfg.trainer.preempt_grace_s)
         d, actor = cfg.data, cfg.worker.actor
         # `size`: transformers replays min_pixels/max_pixels given here as deprecated per-call kwargs.
@@ -188,9 +192,10 @@ class Trainer:
         self._finish()
 
     def _start(self) -> None:
-        """Write the resolved config, resume, listen for preemption, validate before training if asked."""
+        """Resume, write the resolved config, listen for preemption, validate before training if asked."""
+        self.resume()
         if self.world.is_main:
-            dump_yaml(self.cfg, self.cfg.run_dir / "config.yaml")
+            self._write_config()
             log.info(
                 "run dir %s; %d prompts, %d steps, world %d",
                 self.cfg.run_dir,
@@ -206,7 +211,6 @@ class Trainer:
             log.warning(
                 "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
             )
-        self.resume()
         self.loggers = build_loggers(
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )
@@ -356,16 +360,31 @@ class Trainer:
                 world=self.world,
                 save_limit=self.cfg.trainer.save_limit,
                 model_path=self.cfg.worker.actor.model.model_path,
+                config=plain_config(self.cfg),
             )
 
     def resume(self) -> None:
-        """Policy, optimizer, schedule, data position, policy version and RNG from the checkpoint to resume."""
-        checkpoint = find_checkpoint(self.cfg.run_dir, self.cfg.trainer.resume)
-        if checkpoint is None:
+        """Policy, optimizer, schedule, data position, policy version and RNG from the checkpoint the start
+        plan chose (resume.py; the config was checked against the saved one before anything was built)."""
+        if self.plan.checkpoint is None:
             return
-        saved = load_checkpoint(checkpoint, policy=self.policy, optim=self.optim, world=self.world)
-        self.sampler.load_state_dict(saved["sampler"])
+        saved = load_checkpoint(self.plan.checkpoint, policy=self.policy, optim=self.optim, world=self.world)
+        if not self.plan.reset_data_position:
+            self.sampler.load_state_dict(saved["sampler"])
         self.state.step, self.state.version = saved["step"], saved["version"]
+
+    def _write_config(self) -> None:
+        """The resolved config as `<run dir>/config.yaml`; a different one already there (the run's config
+        before a resume that changed settings) is kept as `config.until_step_<k>.yaml`."""
+        path = self.cfg.run_dir / "config.yaml"
+        if path.is_file() and _read_yaml(path) != plain_config(self.cfg):
+            kept, i = path.with_name(f"config.until_step_{self.state.step}.yaml"), 0
+            while kept.exists():  # never over an earlier kept one (resumed from this step before)
+                i += 1
+                kept = path.with_name(f"config.until_step_{self.state.step}.{i}.yaml")
+            path.replace(kept)
+            log.info("the run's previous config moved to %s", kept)
+        dump_yaml(self.cfg, path)
 
     def write_metrics(self, step: int, timer: Timer, m: dict[str, float]) -> None:
         """The step's metrics (global over ranks; collective) to the loggers (rank 0 has them)."""
@@ -379,16 +398,25 @@ class Trainer:
             log.info(D.memory_line(self.world.device_type, phase))
 
 
-def run(cfg: Config) -> None:
-    """Train `cfg` on this rank (the process group is created here, after the config was validated).
+def _read_yaml(path) -> object:
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # unreadable: kept aside like a different one
+
+
+def run(cfg: Config, plan: StartPlan | None = None) -> None:
+    """Train `cfg` on this rank (the process group is created here, after the config was validated and
+    `plan` (resume.plan_start, made here when not given) decided what to do with the run directory).
 
     SIGTERM/SIGINT are listened for from the first line, so a signal during start-up counts too; an
     exception ends the rank at once with exit code 1 (`D.exit_promptly`), so torchrun brings the job down."""
     stop = D.StopOnSignal(cfg.trainer.preempt_grace_s).install()
-    D.exit_promptly(lambda: _run(cfg, stop))
+    D.exit_promptly(lambda: _run(cfg, plan, stop))
 
 
-def _run(cfg: Config, stop: D.StopOnSignal) -> None:
+def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
+    plan = plan or plan_start(cfg)  # before any file is written
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     _setup_logging(cfg, world)
@@ -404,8 +432,10 @@ def _run(cfg: Config, stop: D.StopOnSignal) -> None:
         )
         for problem in check_versions():  # only with SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1
             log.warning("untested: %s", problem)
+        for line in plan.lines():
+            log.info(line)
     D.seed_everything(cfg.trainer.seed)
-    Trainer(cfg, world, stop).train()
+    Trainer(cfg, world, plan, stop).train()
 
 
 def _setup_logging(cfg: Config, world: D.World) -> None:

@@ -5,15 +5,20 @@
 2. `trainer.resume=auto` resumes from step 1 (the newest COMPLETE checkpoint; the half-written one is
    ignored) and finishes.
 3. Its metrics for the steps after the resume equal those of an uninterrupted run (fp32, same seed).
-4. The checkpoint saved on 2 ranks resumes on 1 rank (DCP resharding) and training continues.
+4. The checkpoint saved on 2 ranks resumes on 1 rank (DCP resharding) and training continues; its changed
+   max_steps is reported.
+5. Then a new run (`trainer.resume=none`) into that directory, and a resume with another group size, are
+   each refused in one line before anything loads, leaving the directory as it was.
 """
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import torchrun
+from tests.conftest import REPO, torchrun
 
 pytestmark = pytest.mark.engine
 
@@ -50,6 +55,8 @@ def test_kill_during_save_then_resume_exactly_and_on_fewer_ranks(tiny_untied, tm
     resumed = torchrun(_args(tiny_untied, tmp_path, "crash", 4, "trainer.resume=auto"))
     log = resumed.stdout + resumed.stderr
     assert "resumed from" in log and "global_step_1 (step 1)" in log
+    # The config saved with the checkpoint reads back equal to the same command's: nothing to report.
+    assert f"config compared with {ckpts / 'global_step_1' / 'config.yaml'}: 0 changes" in log
     got = _metrics(tmp_path / "crash")
     assert sorted(got) == [1, 2, 3, 4]  # one row per step: the crash died before step 2's row
 
@@ -63,6 +70,7 @@ def test_kill_during_save_then_resume_exactly_and_on_fewer_ranks(tiny_untied, tm
     shutil.copytree(tmp_path / "crash", tmp_path / "one_rank")
     one = torchrun(_args(tiny_untied, tmp_path, "one_rank", 5, "trainer.resume=auto"), nproc=1)
     assert "global_step_4 (step 4)" in one.stdout + one.stderr
+    assert "resume: trainer.max_steps 4 -> 5" in one.stdout + one.stderr
     rows = _metrics(tmp_path / "one_rank")
     assert sorted(rows) == [1, 2, 3, 4, 5]
     # The resumed weights (not the base model's) reached the engine: vLLM and the trainer agree (fp32).
@@ -74,3 +82,25 @@ def test_kill_during_save_then_resume_exactly_and_on_fewer_ranks(tiny_untied, tm
         (tmp_path / "one_rank" / "checkpoints" / "global_step_5" / "trainer_state.json").read_text()
     )
     assert saved["world_size"] == 1 and saved["version"] == 5
+
+    # 5. Refusals against this real run directory: one line, exit 2, before any process group or model, and
+    #    nothing in the directory is written (rank logs included).
+    run = tmp_path / "one_rank"
+    before = _files(run)
+    [line] = _refused(_args(tiny_untied, tmp_path, "one_rank", 5, "trainer.resume=none"))
+    assert line.startswith(f"config error: {run} already holds a run (config.yaml, metrics.jsonl")
+    [line] = _refused(_args(tiny_untied, tmp_path, "one_rank", 6, "worker.rollout.n=8"))
+    assert "worker.rollout.n 4 -> 8" in line and "trainer.allow_config_change=[worker.rollout.n]" in line
+    assert "max_steps" not in line  # a free change: reported at start-up, never refused
+    assert _files(run) == before
+
+
+def _files(run):
+    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def _refused(args):
+    """`python -m spmd_grpo.train ARGS` (refusals come before any process group): its stderr lines."""
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    return proc.stderr.splitlines()

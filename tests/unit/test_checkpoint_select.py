@@ -226,3 +226,34 @@ def test_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, 
         ]
         == 1
     )
+
+
+def test_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp_path):
+    """A changed lr, betas or weight decay takes effect on resume; torch's own load_state_dict would restore
+    the saved ones (optimizer param_groups and the scheduler's base_lrs) silently."""
+    model, optim = make_bundle(0)
+    train(model, optim, 3)
+    path = save_checkpoint(
+        tmp_path,
+        3,
+        policy=model,
+        optim=optim,
+        trainer_state={"step": 3},
+        world=WORLD,
+        save_limit=0,
+        model_path="m",
+        config={"worker": {"actor": {"optim": {"lr": 0.1}}}},
+    )
+    assert (path / "config.yaml").read_text() == "worker:\n  actor:\n    optim:\n      lr: 0.1\n"
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(fresh.parameters(), lr=0.05, betas=(0.5, 0.6), weight_decay=0.3)
+    bundle = OptimizerBundle(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)))
+    load_checkpoint(path, policy=fresh, optim=bundle, world=WORLD)
+    group = opt.param_groups[0]
+    assert group["lr"] == bundle.scheduler.get_last_lr()[0] == pytest.approx(0.05 / 4)  # saved: 0.1 / 4
+    assert (group["betas"], group["weight_decay"], group["initial_lr"]) == ((0.5, 0.6), 0.3, 0.05)
+    assert bundle.scheduler.base_lrs == [0.05] and bundle.scheduler.last_epoch == 3
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(optim.optimizer.state[p]["exp_avg_sq"], opt.state[q]["exp_avg_sq"])
+    train(fresh, bundle, 1)  # the schedule continues from the saved position with the new base lr
+    assert group["lr"] == pytest.approx(0.05 / 5)

@@ -60,7 +60,7 @@ def cli(files, monkeypatch, capsys):
     """`cli(overrides)` -> (exit code, stderr lines) of `train.main([base.yaml, *overrides])` at world 2."""
     stand_in = types.ModuleType("spmd_grpo.trainer")
 
-    def run(cfg):
+    def run(cfg, plan=None):
         raise ReachedTrainer
 
     stand_in.run = run

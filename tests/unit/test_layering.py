@@ -18,8 +18,8 @@ LAYERS = {
     "rollout": 2, "model": 2,
     # 3: metrics, checkpoints, the vLLM engine and its weight stream
     "metrics": 3, "checkpoint": 3, "engine": 3,
-    # 4: phases of a step; the loggers (console, jsonl, trackers)
-    "update": 4, "dynamic_sampling": 4, "validation": 4, "loggers": 4,
+    # 4: phases of a step; the loggers (console, jsonl, trackers); what a start does with the run directory
+    "update": 4, "dynamic_sampling": 4, "validation": 4, "loggers": 4, "resume": 4,
     # 5: the loop, the planner, the exporter, the run report
     "trainer": 5, "plan": 5, "export": 5, "report": 5,
     # 6: entry points

@@ -156,6 +156,29 @@ def test_jsonl_rows_tables_and_resume(tmp_path):
     steps = [json.loads(line)["step"] for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert (cfg.run_dir / "metrics.rolledback.jsonl").read_text().count("\n") == 2
+    # The validation generations of step 3 are redone too: moved aside, not duplicated.
+    assert (cfg.run_dir / "val_generations.jsonl").read_text() == ""
+    moved = (cfg.run_dir / "val_generations.rolledback.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in moved] == [3, 3]
+
+
+def test_jsonl_rollback_after_a_torn_write_and_on_a_restart_at_step_0(tmp_path):
+    cfg, loggers = _loggers(tmp_path, "jsonl")
+    for step in (0, 1, 2, 3):
+        loggers.log(step, STEPS[max(step, 1)])
+    path = cfg.run_dir / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write('{"step": 4, "critic/sco')  # killed in the middle of step 4's row
+    _, loggers = _loggers(tmp_path, "jsonl", start_step=2)  # resumed from the checkpoint of step 2
+    loggers.log(3, STEPS[3])
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+    aside = (cfg.run_dir / "metrics.rolledback.jsonl").read_text().splitlines()
+    assert aside[0].startswith('{"step": 3,') and aside[1] == '{"step": 4, "critic/sco'
+    # No checkpoint to resume: the run restarts at step 0 and every earlier row (step 0's too) moves aside.
+    _, loggers = _loggers(tmp_path, "jsonl", start_step=0)
+    loggers.log(0, STEPS[1])
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0]
+    assert len((cfg.run_dir / "metrics.rolledback.jsonl").read_text().splitlines()) == 2 + 4
 
 
 def test_console_one_line_per_logged_step_and_no_bar_off_a_terminal(tmp_path, capsys):
@@ -219,6 +242,10 @@ def test_tensorboard_resume_drops_the_redone_steps(tmp_path):
     _log_steps(loggers, steps=(2, 3), scale=10.0)
     scores = _scalars(cfg.run_dir / "tensorboard")["critic/score/mean"]
     assert scores == [(1, pytest.approx(0.1)), (2, pytest.approx(2.0)), (3, pytest.approx(3.0))]
+    _, loggers = _loggers(tmp_path, "tensorboard", start_step=0)  # a restart at step 0 purges every step
+    _log_steps(loggers, steps=(1,), scale=100.0)
+    scores = _scalars(cfg.run_dir / "tensorboard")["critic/score/mean"]
+    assert scores == [(1, pytest.approx(10.0))]
 
 
 def _wandb_records(path: Path) -> list[bytes]:

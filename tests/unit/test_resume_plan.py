@@ -1,0 +1,221 @@
+"""What a start does with its run directory (spmd_grpo/resume.py), in process on real files: a new run into a
+directory holding a run is refused before anything is written; a resume whose config changes what the saved
+state means is refused with the override that allows it, other changes are reported; a directory whose
+checkpoints are all damaged is not silently restarted; the CLI turns each refusal into one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmd_grpo.config import ConfigError, dump_yaml, load_config
+from spmd_grpo.resume import (
+    MEANING_CHANGING,
+    ConfigChange,
+    diff_configs,
+    meaning_changes,
+    plain_config,
+    plan_start,
+)
+from spmd_grpo.train import main
+
+BASE = ["worker.actor.model.model_path=/models/x", "trainer.experiment_name=run"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_dcp():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    return load_config(None, [*BASE, f"trainer.output_dir={tmp_path}", *overrides])
+
+
+def _checkpoint(run_dir: Path, step: int, cfg=None) -> Path:
+    """A complete checkpoint directory with a real one-tensor DCP payload and, given `cfg`, its config."""
+    import torch.distributed.checkpoint as dcp
+
+    d = run_dir / "checkpoints" / f"global_step_{step}"
+    d.mkdir(parents=True)
+    dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
+    torch.save({}, d / "scheduler.pt")
+    if cfg is not None:
+        dump_yaml(cfg, d / "config.yaml")
+    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
+    return d
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------ diff
+def test_diff_is_key_by_key_and_only_meaning_changing_keys_are_refused(tmp_path):
+    saved = plain_config(_cfg(tmp_path, "worker.rollout.n=4", "trainer.max_steps=10"))
+    new = plain_config(
+        _cfg(
+            tmp_path,
+            "worker.rollout.n=8",
+            "trainer.max_steps=20",
+            "worker.actor.optim.lr=5e-7",
+            "trainer.resume=none",  # not compared
+            "trainer.allow_config_change=[worker.rollout.n]",  # not compared
+        )
+    )
+    changes = diff_configs(saved, new)
+    assert [str(c) for c in changes] == [
+        "trainer.max_steps 10 -> 20",
+        "worker.actor.optim.lr 1e-06 -> 5e-07",
+        "worker.rollout.n 4 -> 8",
+    ]
+    assert [c.key for c in meaning_changes(changes, ())] == ["worker.rollout.n"]
+    assert meaning_changes(changes, ("worker.rollout.n",)) == []
+    # A key only one side has (a schema that changed) is a change, shown as absent.
+    del saved["data"]["seed"]
+    assert str(diff_configs(saved, new)[0]) == "data.seed (absent) -> 1"
+    assert diff_configs(saved, saved) == []
+
+
+def test_every_meaning_changing_key_exists():
+    keys = set(plain_config_keys())
+    assert set(MEANING_CHANGING) <= keys, set(MEANING_CHANGING) - keys
+    assert "worker.actor.optim.lr" not in MEANING_CHANGING and "trainer.max_steps" not in MEANING_CHANGING
+
+
+def plain_config_keys() -> list[str]:
+    from spmd_grpo.resume import flatten
+
+    return list(flatten(plain_config(load_config(None, BASE))))
+
+
+# ------------------------------------------------------------------------------------------------ (b)
+def test_a_new_run_into_a_directory_holding_a_run_is_refused_and_nothing_is_written(tmp_path):
+    run = tmp_path / "run"
+    assert plan_start(_cfg(tmp_path, "trainer.resume=none")).checkpoint is None  # no directory yet: new run
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "rank0.log").write_text("x\n")  # logs alone are not a run (only appended to)
+    assert plan_start(_cfg(tmp_path, "trainer.resume=none")).lines() == [f"start: new run in {run}"]
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = _tree(run)
+    with pytest.raises(ConfigError) as e:
+        plan_start(_cfg(tmp_path, "trainer.resume=none"))
+    assert str(e.value) == (
+        f"{run} already holds a run (metrics.jsonl) and trainer.resume=none starts a new one: "
+        "trainer.resume=auto continues that run; for a new run pick another trainer.experiment_name or "
+        "trainer.output_dir (or remove the directory)"
+    )
+    assert _tree(run) == before
+
+
+def test_another_runs_checkpoint_is_refused_into_a_held_directory_and_compared_when_forking(tmp_path):
+    other = _checkpoint(tmp_path / "other", 3, _cfg(tmp_path, "worker.rollout.n=4"))
+    (tmp_path / "run").mkdir()
+    plan = plan_start(_cfg(tmp_path, f"trainer.resume={other}", "worker.rollout.n=4", "trainer.max_steps=9"))
+    assert plan.checkpoint == other and plan.saved_config == other / "config.yaml"
+    assert [str(c) for c in plan.changes] == ["trainer.max_steps null -> 9"]
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    with pytest.raises(ConfigError, match="already holds a run .config.yaml.; starting from another run's"):
+        plan_start(_cfg(tmp_path, f"trainer.resume={other}", "worker.rollout.n=4"))
+
+
+# ------------------------------------------------------------------------------------------------ (a)
+def test_resume_refuses_a_meaning_change_names_the_override_and_reports_the_rest(tmp_path):
+    run = tmp_path / "run"
+    saved_cfg = _cfg(tmp_path, "worker.rollout.n=4", "data.train_files=builtin:color")
+    _checkpoint(run, 2, saved_cfg)
+    newest = _checkpoint(run, 4, saved_cfg)
+    changed = ["worker.rollout.n=8", "data.train_files=/data/other.parquet", "worker.actor.optim.lr=5e-7"]
+    with pytest.raises(ConfigError) as e:
+        plan_start(_cfg(tmp_path, *changed))
+    message = str(e.value)
+    assert message.startswith(f"resuming {newest} with a config that changes what its saved state means")
+    assert '"builtin:color" -> "/data/other.parquet"' in message and "worker.rollout.n 4 -> 8 (" in message
+    assert message.endswith(
+        "To continue with the new values add "
+        "trainer.allow_config_change=[data.train_files,worker.rollout.n]; "
+        "for a new run pick another trainer.experiment_name or trainer.output_dir"
+    )
+    assert "optim.lr" not in message
+
+    allowed = "trainer.allow_config_change=[data.train_files,worker.rollout.n]"
+    plan = plan_start(_cfg(tmp_path, *changed, allowed))
+    assert plan.checkpoint == newest and plan.reset_data_position
+    assert plan.lines() == [
+        f"start: resuming {newest} (config compared with {newest / 'config.yaml'}: 3 changes)",
+        'resume: data.train_files "builtin:color" -> "/data/other.parquet"',
+        "resume: worker.actor.optim.lr 1e-06 -> 5e-07",
+        "resume: worker.rollout.n 4 -> 8",
+        "resume: the saved data position is dropped (the data changed): sampling starts over",
+    ]
+    with pytest.raises(ConfigError, match="allow_config_change: unknown config key worker.rollout.nn"):
+        plan_start(_cfg(tmp_path, "trainer.allow_config_change=[worker.rollout.nn]"))
+
+
+def test_old_checkpoint_without_config_is_compared_with_the_run_dirs(tmp_path):
+    run = tmp_path / "run"
+    _checkpoint(run, 1)
+    dump_yaml(_cfg(tmp_path, "worker.actor.model.model_path=/models/a"), run / "config.yaml")
+    with pytest.raises(ConfigError, match=r'model_path "/models/a" -> "/models/x" \(the saved weights'):
+        plan_start(_cfg(tmp_path))
+    (run / "config.yaml").unlink()
+    plan = plan_start(_cfg(tmp_path))  # nothing to compare with: said so, not silent
+    assert plan.lines()[0].endswith("(no saved config to compare with: changes are not checked)")
+
+
+# ----------------------------------------------------------------------------------- no usable checkpoint
+def test_auto_restarts_a_run_without_checkpoint_but_refuses_another_runs_config(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_yaml(_cfg(tmp_path, "data.max_response_length=64"), run / "config.yaml")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    plan = plan_start(_cfg(tmp_path, "data.max_response_length=64", "worker.actor.optim.lr=2e-6"))
+    assert plan.checkpoint is None and plan.restart
+    assert [str(c) for c in plan.changes] == ["worker.actor.optim.lr 1e-06 -> 2e-06"]
+    assert plan.lines()[0].startswith(
+        f"start: {run} holds no complete checkpoint: the run restarts at step 0"
+    )
+    with pytest.raises(ConfigError, match=f"restarting the run in {run} with a config that changes"):
+        plan_start(_cfg(tmp_path, "data.max_response_length=128"))
+
+
+def test_all_checkpoints_damaged_is_an_error_not_a_silent_restart(tmp_path):
+    run = tmp_path / "run"
+    ckpt = _checkpoint(run, 2)
+    (ckpt / ".metadata").write_bytes(b"torn")
+    with pytest.raises(ConfigError, match=f"every checkpoint in {run / 'checkpoints'} is damaged"):
+        plan_start(_cfg(tmp_path))
+    with pytest.raises(ValueError, match=f"is damaged: {ckpt}/.metadata"):  # by path: the file is named
+        plan_start(_cfg(tmp_path, f"trainer.resume={ckpt}"))
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_cli_refusal_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    (tmp_path / "model").mkdir()  # the config checks want a real model directory before the run directory
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                str(smoke),
+                *BASE,
+                f"worker.actor.model.model_path={tmp_path / 'model'}",
+                f"trainer.output_dir={tmp_path}",
+                "trainer.resume=none",
+            ]
+        )
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"config error: {tmp_path / 'run'} already holds a run")
+
+
+def test_config_change_str():
+    assert str(ConfigChange("a.b", [1, 2], None)) == "a.b [1, 2] -> null"
