@@ -7,8 +7,8 @@ dynamic sampling and overlong shaping, the rollout correction, the KL loss, `los
 activation checkpointing, the offload options, the dtypes, validation and checkpoint settings, the prompt
 template and the reward function.
 
-  * The model: a tiny random Qwen2.5-VL of the same family, with tied embeddings where the published model
-    ties them (3B ties; 7B and 32B do not), built locally. For the geometry3k configs it is first nudged by
+  * The model: a tiny random model of the same family (Qwen2-VL, Qwen2.5-VL or Qwen3-VL), with tied
+    embeddings where the published model ties them (3B ties; 7B and 32B do not), built locally. For the geometry3k configs it is first nudged by
     a few supervised steps to answer `<think> ... </think> \\boxed{d}` with a random digit d: a random model
     never writes `\\boxed{}`, so the math reward would be 0 for every sample, and DAPO's dynamic sampling
     (`max_num_gen_batches: -1`, no limit) would generate forever looking for a group with accuracy spread.
@@ -32,7 +32,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from spmd_grpo.config import Config, load_config, validate
-from spmd_grpo.plan import KNOWN_ARCHITECTURES
+from spmd_grpo.families import PUBLISHED
 from spmd_grpo.tools.synthetic_data import write_parquet
 from tests.conftest import CACHE, REPO, tiny_model, torchrun
 
@@ -121,10 +121,10 @@ PRIME_STEPS = 150
 PRIME_VERSION = "1"  # bump when the priming recipe changes (the cache key)
 
 
-def primed_tiny_model(tie_word_embeddings: bool) -> Path:
+def primed_tiny_model(tie_word_embeddings: bool, family: str) -> Path:
     """The tiny model after `PRIME_STEPS` supervised steps on geometry3k-style prompts (the real template,
     one image each) answered `<think> the answer is </think> \\boxed{d}`, d a random digit; cached."""
-    base = tiny_model(tie_word_embeddings=tie_word_embeddings)
+    base = tiny_model(tie_word_embeddings=tie_word_embeddings, family=family)
     out = CACHE / "primed_models" / f"{base.name}-v{PRIME_VERSION}-{PRIME_STEPS}"
     if not out.is_dir():
         tmp = out.with_name(out.name + ".tmp")
@@ -182,11 +182,13 @@ def _swapped(cfg: Config, tmp_path: Path) -> list[str]:
     if model_path == "":  # the smoke configs: `python -m spmd_grpo.smoke` fills in the default tiny model
         model = tiny_model()
     else:
-        assert model_path in KNOWN_ARCHITECTURES, (
-            f"{model_path}: add its architecture to spmd_grpo/plan.py (KNOWN_ARCHITECTURES) so --dry-run "
-            "and this test know whether it ties its embeddings"
+        assert model_path in PUBLISHED, (
+            f"{model_path}: add its architecture to spmd_grpo/families.py (the family's published list) so "
+            "--dry-run and this test know its family and whether it ties its embeddings"
         )
-        model = primed_tiny_model(KNOWN_ARCHITECTURES[model_path]["tie_word_embeddings"])
+        family = PUBLISHED[model_path]
+        (published,) = [p for p in family.published if p.model_id == model_path]
+        model = primed_tiny_model(published.tie_word_embeddings, family.model_type)
     overrides = [f"worker.actor.model.model_path={model}", f"trainer.output_dir={tmp_path}"]
     if not cfg.data.train_files.startswith("builtin:"):
         train = write_parquet(digit_rows(32, seed=1), tmp_path / "data" / "train.parquet")
