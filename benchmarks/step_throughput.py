@@ -1,12 +1,12 @@
 """Step throughput of the trainer with the throughput features off and on: tokens/s and the time of each phase.
 
-    python benchmarks/step_throughput.py [--steps 4] [--configs off,on,on-dapo] [--out result.json]
-        [--set KEY=VALUE ...]
+    python benchmarks/step_throughput.py [--steps 4] [--prompts 16] [--max-response-length 256]
+        [--configs off,on,on-dapo] [--out result.json] [--set KEY=VALUE ...]
 
 Each configuration is a real run of `python -m spmd_grpo.train` (torchrun, 1 rank, CPU, 2 threads, bf16
 policy and vLLM, in-process engine) on a generated ~29M-parameter Qwen2.5-VL (hidden 512, 8 layers; built
 once into .cache/bench_tput_model, no download) and the built-in colour task: 16 prompts x 8 samples per
-step, one mini-batch per step. The workload is long-tailed by construction: the random policy samples
+step (`--prompts`), one mini-batch per step. The workload is long-tailed by construction: the random policy samples
 nearly uniformly from a ~280-token vocabulary (`vocab_merges=10`) of which 2 tokens stop, so response
 lengths are roughly geometric (mean ~140 tokens) cut at `data.max_response_length=256`: most responses are
 short, a few are long, and a fixed-count micro-batch is padded to its longest one.
@@ -73,10 +73,7 @@ DAPO = [
 ]
 
 BASE = [
-    "data.max_response_length=256",
-    "data.rollout_batch_size=16",
     "worker.rollout.n=8",
-    "worker.actor.global_batch_size=128",
     "worker.actor.micro_batch_size_per_device_for_update=4",
     "worker.actor.micro_batch_size_per_device_for_experience=16",
     "worker.actor.fsdp.param_dtype=bfloat16",
@@ -113,15 +110,20 @@ def overrides(name: str, keys: set[str]) -> tuple[list[str], list[str]]:
     return out, used
 
 
-def run(name: str, model_dir: Path, steps: int, extra: list[str], work: Path) -> list[dict]:
+def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     keys = known_keys()
     feature_overrides, used = overrides(name, keys)
+    workload = [
+        f"data.max_response_length={args.max_response_length}",
+        f"data.rollout_batch_size={args.prompts}",
+        f"worker.actor.global_batch_size={args.prompts * 8}",
+    ]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"),
-        f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={steps}",
+        f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
         f"trainer.output_dir={work}", f"trainer.experiment_name={name}",
-        *BASE, *feature_overrides, *extra,
+        *BASE, *workload, *feature_overrides, *args.set,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
     print(f"[benchmark] {name}: features on {used or '-'}", file=sys.stderr, flush=True)
@@ -187,6 +189,8 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (8 samples each)")
+    ap.add_argument("--max-response-length", type=int, default=256)
     ap.add_argument(
         "--configs", default="off,on,on-dapo", help="off | on | off-dapo | on-dapo, comma-separated"
     )
@@ -202,7 +206,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for name in args.configs.split(","):
-            results[name] = summarise(run(name, model_dir, args.steps, args.set, Path(work)))
+            results[name] = summarise(run(name, model_dir, args, Path(work)))
     print_table(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

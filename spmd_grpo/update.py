@@ -30,11 +30,12 @@ normalisation, so the gradient does not depend on the partition.
 Old logprobs from the update's forward (`worker.actor.old_logprobs_from_update`, as TRL does): when the step
 is exactly on-policy (one mini-batch per step, one epoch, no rejection sampling, which needs the old
 logprobs before the first forward to count the kept tokens), pi_old IS the policy of the update's only
-forward, so old = logprobs.detach() there and the separate forward-only pass is skipped. The values are
-the update's own forward (identical to a separate pass over the same micro-batches); the gradient is the
-same, since the ratio is exactly 1 either way only where the two forwards agree bit for bit (the detached
-form gives exactly 1). With more mini-batches or epochs the policy moves before later samples are used,
-and the separate pass is kept.
+forward, so old = logprobs.detach() there and the separate forward-only pass is skipped (the samples'
+`old_logprobs` are set from it for the metrics and the rollout correction's IS weights, computed per
+micro-batch). Where a separate pass runs the same micro-batches, its logprobs are bit-identical to the
+update's forward, and so are the losses and the gradient (tested under FSDP2 on 2 ranks); with other
+experience micro-batches they differ by rounding only. With more mini-batches or epochs the policy moves
+before later samples are used, and the separate pass is kept.
 """
 
 from __future__ import annotations
