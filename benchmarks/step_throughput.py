@@ -122,7 +122,7 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"),
         f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
-        f"trainer.output_dir={work}", f"trainer.experiment_name={name}",
+        f"trainer.output_dir={work}", f"trainer.experiment_name=bench_{name}",
         *BASE, *workload, *feature_overrides, *args.set,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
@@ -130,7 +130,7 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (work / f"bench_{name}" / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("step", 0) > 0]
 
 
