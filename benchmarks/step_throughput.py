@@ -6,10 +6,11 @@
 Each configuration is a real run of `python -m spmd_grpo.train` (torchrun, 1 rank, CPU, 2 threads, bf16
 policy and vLLM, in-process engine) on a generated ~29M-parameter Qwen2.5-VL (hidden 512, 8 layers; built
 once into .cache/bench_tput_model, no download) and the built-in colour task: 16 prompts x 8 samples per
-step (`--prompts`), one mini-batch per step. The workload is long-tailed by construction: the random policy samples
-nearly uniformly from a ~280-token vocabulary (`vocab_merges=10`) of which 2 tokens stop, so response
-lengths are roughly geometric (mean ~140 tokens) cut at `data.max_response_length=256`: most responses are
-short, a few are long, and a fixed-count micro-batch is padded to its longest one.
+step (`--prompts`), one mini-batch per step. The workload is meant to be long-tailed: the random policy samples
+nearly uniformly from a small vocabulary (`vocab_merges=10`) in which 2 tokens stop, so response lengths
+should be roughly geometric (stop probability about 2 / vocabulary size per token) cut at
+`--max-response-length`; the table's footer prints the measured mean and max lengths. A fixed-count
+micro-batch is padded to its longest response.
 
 Printed per configuration (mean over the steps after the first, which warms vLLM and the allocator):
 tokens/s (`perf/throughput`), gen (includes the weight sync), sync (`timing_s/update_weights`), old, ref,
