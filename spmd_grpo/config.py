@@ -439,6 +439,14 @@ class ActorConfig:
     reuse_image_features: bool = True
     """With model.freeze_vision_tower: encode each prompt's images once per step, reused by all its samples
     and every trainer pass; ignored (images re-encoded in every forward) when the tower is trained."""
+    dynamic_batching: bool = False
+    """Micro-batches by token budget (the two keys below, prompt + response tokens per rank) instead of
+    the micro_batch_size_* counts: balanced token sums, the same number of forwards on every rank."""
+    max_token_len_per_device_for_update: int = 16384
+    max_token_len_per_device_for_experience: int = 16384
+    old_logprobs_from_update: bool = True
+    """When a step is exactly on-policy (one mini-batch, one epoch, no rollout_rs), take the old logprobs
+    detached from the update's forward instead of a separate forward-only pass."""
 
     def check(self, prefix: str) -> None:
         _require_positive(
@@ -449,6 +457,8 @@ class ActorConfig:
             "micro_batch_size_per_device_for_experience",
             "ppo_epochs",
             "logprob_chunk_size",
+            "max_token_len_per_device_for_update",
+            "max_token_len_per_device_for_experience",
         )
         low, high, dual = self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_dual
         _require(0 <= low < 1, f"{prefix}clip_ratio_low must be in [0, 1), got {low}")

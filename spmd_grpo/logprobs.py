@@ -283,4 +283,9 @@ class PolicyModule(nn.Module):
         if logprob_chunks:
             logprobs = logprobs.masked_scatter(valid, torch.cat(logprob_chunks))
             entropy = entropy.masked_scatter(valid, torch.cat(entropy_chunks))
+        elif torch.is_grad_enabled():
+            # No response token: a zero term keeps every parameter in the graph, so a loss of this batch
+            # can run backward (and FSDP reduces the same gradients on every rank), adding zero.
+            anchor = F.linear(hidden[:, -1], head.weight, head.bias).float().sum() * 0.0
+            logprobs, entropy = logprobs + anchor, entropy + anchor
         return logprobs, entropy

@@ -23,7 +23,9 @@ Semantics (verl's unless noted; formulas in advantage.py / loss.py):
     collectives anyway, so they stay right wherever a group's samples live.
   * Old logprobs are recomputed by the trainer (not taken from vLLM) before the update. With one
     mini-batch and one epoch they equal the current logprobs, so the ratio is exactly 1 at the update and
-    only the clip-free policy gradient acts (as in verl).
+    only the clip-free policy gradient acts (as in verl); then (`worker.actor.old_logprobs_from_update`,
+    as TRL) they are taken detached from the update's own forward and the separate pass is skipped
+    (`timing_s/old_log_prob` ~0).
   * Loss aggregation uses GLOBAL token/sequence counts of the mini-batch (all ranks, all micro-batches);
     verl's legacy mean of micro-batch means is not reproduced. FSDP averages gradients over ranks, so the
     per-rank loss is multiplied by the world size to recover the global sum.
@@ -161,10 +163,13 @@ class Trainer:
                 samples, m = self.rollout(step, timer)
                 with timer("adv"):
                     m.update(self.compute_advantages(samples))
-                with timer("old_log_prob"):
+                with timer("old_log_prob"):  # ~0 s when the update takes them from its own forward
                     encode_images(self.policy, samples, self.spec)  # once per step, frozen tower only
-                    for s, lp in zip(samples, compute_logprobs(self.policy, samples, self.spec), strict=True):
-                        s.old_logprobs = lp
+                    if not self.spec.old_logprobs_in_update(len(samples)):
+                        for s, lp in zip(
+                            samples, compute_logprobs(self.policy, samples, self.spec), strict=True
+                        ):
+                            s.old_logprobs = lp
                 if self.reference is not None:
                     with timer("ref"):
                         for s, lp in zip(

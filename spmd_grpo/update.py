@@ -15,11 +15,34 @@ rejection mask are computed from the samples' old and vLLM logprobs before its t
 rejected tokens leave the mask of the policy, entropy and KL terms and the global counts (verl's choice), the
 policy-gradient loss of the kept tokens is multiplied by the weights. Its metrics are computed once per step
 over all samples.
+
+Token-budget micro-batches (`worker.actor.dynamic_batching`, EasyR1/verl's `max_token_len_per_device_*`):
+a rank's samples are split into k = ceil(its prompt+response tokens / budget) micro-batches (at most one per
+sample), k is all-reduced with MAX, and the samples are partitioned into k parts of balanced token sums by
+Karmarkar-Karp's largest differencing method (verl's `rearrange_micro_batches` with
+`get_seqlen_balanced_partitions(..., equal_size=False)`; like verl, a part is not checked against the budget,
+and parts are kept in the order of their first sample instead of verl's workload-sorted order). A rank with
+fewer non-empty parts than k runs the missing ones as padding: a forward/backward of one of its own samples
+with zero loss weight, so every rank runs the same number of FSDP forward/backward calls (verl instead
+requires k <= number of samples and asserts that no part is empty). The losses keep their global
+normalisation, so the gradient does not depend on the partition.
+
+Old logprobs from the update's forward (`worker.actor.old_logprobs_from_update`, as TRL does): when the step
+is exactly on-policy (one mini-batch per step, one epoch, no rejection sampling, which needs the old
+logprobs before the first forward to count the kept tokens), pi_old IS the policy of the update's only
+forward, so old = logprobs.detach() there and the separate forward-only pass is skipped (the samples'
+`old_logprobs` are set from it for the metrics and the rollout correction's IS weights, computed per
+micro-batch). Where a separate pass runs the same micro-batches, its logprobs are bit-identical to the
+update's forward, and so are the losses and the gradient (tested under FSDP2 on 2 ranks); with other
+experience micro-batches they differ by rounding only. With more mini-batches or epochs the policy moves
+before later samples are used, and the separate pass is kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -69,6 +92,12 @@ class UpdateSpec:
     """Off (both levels null) unless the config enables it."""
     reuse_image_features: bool = False
     """Encode each prompt's images once per step (`encode_images`); only with a frozen vision tower."""
+    dynamic_batching: bool = False
+    """Micro-batches by token budget (the two below) instead of by sample count."""
+    max_token_len_for_update: int = 16384
+    max_token_len_for_experience: int = 16384
+    old_logprobs_from_update: bool = False
+    """Take the old logprobs from the update's forward when the step is exactly on-policy."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, world_size: int, pad_token_id: int) -> UpdateSpec:
@@ -93,6 +122,20 @@ class UpdateSpec:
             max_grad_norm=a.max_grad_norm,
             rollout_correction=CorrectionSpec(**dataclasses.asdict(alg.rollout_correction)),
             reuse_image_features=a.reuse_image_features and a.model.freeze_vision_tower,
+            dynamic_batching=a.dynamic_batching,
+            max_token_len_for_update=a.max_token_len_per_device_for_update,
+            max_token_len_for_experience=a.max_token_len_per_device_for_experience,
+            old_logprobs_from_update=a.old_logprobs_from_update,
+        )
+
+    def old_logprobs_in_update(self, num_samples: int) -> bool:
+        """True when the update takes the old logprobs from its own forward (the step is exactly on-policy:
+        one epoch, one mini-batch holding this rank's `num_samples`, no rejection sampling)."""
+        return (
+            self.old_logprobs_from_update
+            and self.ppo_epochs == 1
+            and self.mini_batch_size >= num_samples
+            and self.rollout_correction.rollout_rs is None
         )
 
 
@@ -125,15 +168,55 @@ def _pad(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Te
     return out
 
 
+def balanced_partitions(lengths: list[int], k: int) -> list[list[int]]:
+    """Indices of `lengths` in `k` parts of balanced sums (Karmarkar-Karp's largest differencing method).
+
+    Each item starts as a k-way state (its own part plus k-1 empty ones); the two states with the largest
+    spread are merged, pairing the largest part of one with the smallest of the other, until one is left.
+    Parts come back with sorted indices, in the order of their first index; some may be empty when
+    k > len(lengths).
+    """
+    if k < 1:
+        raise ValueError(f"need at least one part, got {k}")
+    tie = itertools.count()
+    heap = []
+    for i, n in sorted(enumerate(lengths), key=lambda item: (item[1], item[0])):
+        parts = [(n, [i])] + [(0, []) for _ in range(k - 1)]
+        heapq.heappush(heap, (-n, next(tie), parts))
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b), strict=True)]
+        merged.sort(key=lambda part: -part[0])
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], next(tie), merged))
+    parts = [sorted(items) for _, items in heap[0][2]] if heap else [[] for _ in range(k)]
+    return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
+
+
+def micro_batches(samples: list[Sample], spec: UpdateSpec, *, for_update: bool) -> list[list[int]]:
+    """Index lists of `samples`, one per forward; the same count on every rank (collective with dynamic
+    batching). An empty list is a padding micro-batch (zero weight)."""
+    if not spec.dynamic_batching:
+        size = spec.micro_batch_size if for_update else spec.experience_micro_batch_size
+        return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
+    budget = spec.max_token_len_for_update if for_update else spec.max_token_len_for_experience
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    local = min(len(samples), math.ceil(sum(lengths) / budget))
+    k = int(all_reduce_max(torch.tensor([local], dtype=torch.long)).item())
+    parts = [p for p in balanced_partitions(lengths, min(k, len(samples))) if p] if samples else []
+    return parts + [[] for _ in range(k - len(parts))]
+
+
 @torch.no_grad()
 def compute_logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> list[torch.Tensor]:
-    """Per-sample response logprobs (1-D CPU float32 tensors), micro-batched for experience."""
-    out: list[torch.Tensor] = []
-    size = spec.experience_micro_batch_size
-    for start in range(0, len(samples), size):
-        chunk = samples[start : start + size]
+    """Per-sample response logprobs (1-D CPU float32 tensors), micro-batched for experience (a padding
+    micro-batch runs one of the rank's samples and drops the result)."""
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for rows in micro_batches(samples, spec, for_update=False):
+        chunk = [samples[i] for i in rows] or samples[:1]
         lp, _ = model(_collate_for(model, chunk, spec), temperature=spec.temperature)
-        out += [lp[i, : len(s.response_ids)].float().cpu() for i, s in enumerate(chunk)]
+        for j, i in enumerate(rows):
+            out[i] = lp[j, : len(samples[i].response_ids)].float().cpu()
     return out
 
 
@@ -219,11 +302,22 @@ def _train_mask(
     return response_mask * keep, weights
 
 
-def _rows(correction: Correction | None, rows: slice) -> Correction | None:
+def _index_rows(correction: Correction | None, rows: list[int]) -> Correction | None:
     """The micro-batch `rows` of a mini-batch's correction (metric sums kept as they are: unused here)."""
-    if correction is None:
+    if correction is None or not rows:
         return None
-    return dataclasses.replace(correction, weights=correction.weights[rows], keep=correction.keep[rows])
+    index = torch.tensor(rows, dtype=torch.long)
+    return dataclasses.replace(correction, weights=correction.weights[index], keep=correction.keep[index])
+
+
+def _old_from_forward(samples: list[Sample], logprobs: torch.Tensor, spec: UpdateSpec, *, store: bool):
+    """Old logprobs taken detached from the update's own forward ([b, R]) and this micro-batch's rollout
+    correction from them; with `store` they become the samples' `old_logprobs` (for the metrics)."""
+    old = logprobs.detach()
+    if store:
+        for i, s in enumerate(samples):
+            s.old_logprobs = old[i, : len(s.response_ids)].float().cpu()
+    return old, padded_correction(samples, spec) if store else None
 
 
 def _micro_batch_loss(
@@ -233,14 +327,24 @@ def _micro_batch_loss(
     agg: dict,
     sums: MetricSums,
     correction: Correction | None = None,
+    *,
+    old_from_forward: bool = False,
+    padding: bool = False,
 ) -> torch.Tensor:
-    """This micro-batch's share of the global mini-batch loss; adds its metric sums to `sums`."""
+    """This micro-batch's share of the global mini-batch loss; adds its metric sums to `sums`.
+
+    `old_from_forward`: the old logprobs (and the rollout correction) come from this forward, detached.
+    `padding`: a zero-weight micro-batch that only keeps the ranks' forward/backward counts equal.
+    """
     device = next(policy.parameters()).device
     batch = _collate_for(policy, samples, spec)
-    mask, is_weights = _train_mask(batch.response_mask, correction, spec)
-    width = mask.shape[1]
     logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
-    old = _pad([s.old_logprobs for s in samples], width, device)
+    width = batch.response_mask.shape[1]
+    if old_from_forward or padding:
+        old, correction = _old_from_forward(samples, logprobs, spec, store=not padding)
+    else:
+        old = _pad([s.old_logprobs for s in samples], width, device)
+    mask, is_weights = _train_mask(batch.response_mask, correction, spec)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     adv = advantages.to(device)[:, None].expand_as(mask) * mask
     pg_loss, pg_metrics = policy_loss(
@@ -271,35 +375,59 @@ def _micro_batch_loss(
     _add(sums, "actor/entropy", entropy_agg.item(), 0.0)
     for name, (total, count) in pg_metrics.items():
         _add(sums, f"actor/{name}", float(total), float(count))
-    return loss
+    return loss * 0.0 if padding else loss
 
 
-def mini_batch_backward(
-    policy: nn.Module, samples: list[Sample], spec: UpdateSpec, world: World
-) -> MetricSums:
-    """Accumulate the gradient of one mini-batch (this rank's `samples`) in micro-batches.
-
-    Returns metric sums {name: (local sum, local count)}. The loss contributions are shares of the global
-    mini-batch value, so the gradient is the same for any micro-batch size and any world size.
-    """
-    correction = padded_correction(samples, spec)
+def _global_counts(samples: list[Sample], correction: Correction | None, spec: UpdateSpec) -> dict:
+    """The mini-batch's global token and sequence counts (all ranks; rejected tokens not counted)."""
     if correction is None:
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    else:  # rejected tokens are not counted
+    else:
         lengths = correction.keep.sum(dim=-1).double()
     counts = all_reduce_sum(
         torch.tensor([lengths.sum().item(), float((lengths > 0).sum())], dtype=torch.float64)
     )
-    agg = dict(
+    return dict(
         num_global_tokens=max(counts[0].item(), 1.0),
         num_global_seqs=max(counts[1].item(), 1.0),
         max_response_length=spec.max_response_length,
     )
+
+
+def mini_batch_backward(
+    policy: nn.Module,
+    samples: list[Sample],
+    spec: UpdateSpec,
+    world: World,
+    *,
+    old_from_forward: bool = False,
+) -> MetricSums:
+    """Accumulate the gradient of one mini-batch (this rank's `samples`) in micro-batches.
+
+    Returns metric sums {name: (local sum, local count)} plus `train/num_micro_batches` (forward/backward
+    calls, padding included). The loss contributions are shares of the global mini-batch value, so the
+    gradient is the same for any micro-batch split and any world size. With `old_from_forward` the samples'
+    old logprobs are taken from this forward (exactly on-policy steps only; no rejection sampling).
+    """
+    if old_from_forward and spec.rollout_correction.rollout_rs is not None:
+        raise ValueError("old logprobs from the update's forward cannot be used with rollout_rs")
+    correction = None if old_from_forward else padded_correction(samples, spec)
+    agg = _global_counts(samples, correction, spec)
     sums: MetricSums = {}
-    for start in range(0, len(samples), spec.micro_batch_size):
-        rows = slice(start, start + spec.micro_batch_size)
-        loss = _micro_batch_loss(policy, samples[rows], spec, agg, sums, _rows(correction, rows))
+    plan = micro_batches(samples, spec, for_update=True)
+    for rows in plan:
+        loss = _micro_batch_loss(
+            policy,
+            [samples[i] for i in rows] or samples[:1],
+            spec,
+            agg,
+            sums if rows else {},
+            _index_rows(correction, rows),
+            old_from_forward=old_from_forward,
+            padding=not rows,
+        )
         (loss * world.world_size).backward()
+    sums["train/num_micro_batches"] = (float(len(plan)), 0.0)
     return sums
 
 
@@ -318,16 +446,21 @@ def _optimizer_step(policy: nn.Module, optim, spec: UpdateSpec) -> tuple[float, 
 def update_policy(
     policy: nn.Module, optim, samples: list[Sample], spec: UpdateSpec, world: World
 ) -> dict[str, float]:
-    """ppo_epochs x mini-batches (global_batch_size samples over all ranks) x micro-batches; returns metrics."""
+    """ppo_epochs x mini-batches (global_batch_size samples over all ranks) x micro-batches; returns metrics.
+
+    When `spec.old_logprobs_in_update(len(samples))`, the samples' old logprobs are set here (from the
+    update's forward) and the caller skips the forward-only pass."""
     sums: MetricSums = {}
     grad_norms, lrs = [], []
     num_micro_batches = 0
+    old_from_forward = spec.old_logprobs_in_update(len(samples))
     for _ in range(spec.ppo_epochs):
         for start in range(0, len(samples), spec.mini_batch_size):
             mini = samples[start : start + spec.mini_batch_size]
-            num_micro_batches += math.ceil(len(mini) / spec.micro_batch_size)
             optim.optimizer.zero_grad(set_to_none=True)
-            for name, (total, count) in mini_batch_backward(policy, mini, spec, world).items():
+            mini_sums = mini_batch_backward(policy, mini, spec, world, old_from_forward=old_from_forward)
+            num_micro_batches += int(mini_sums.pop("train/num_micro_batches")[0])
+            for name, (total, count) in mini_sums.items():
                 if name in ("actor/pg_loss", "actor/entropy", "actor/kl_loss") and world.rank == 0:
                     count += 1.0
                 _add(sums, name, total, count)

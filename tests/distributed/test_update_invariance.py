@@ -1,4 +1,6 @@
-"""Invariance of the update under real torchrun (fp32, tiny model): micro-batches 1x8 vs 8x1, world 1 vs 2.
+"""Invariance of the update under real torchrun (fp32, tiny model): micro-batches 1x8 vs 8x1, world 1 vs 2,
+token-budget micro-batches (even and uneven per-rank token counts, with zero-weight padding micro-batches),
+and old logprobs taken from the update's own forward vs a separate forward-only pass.
 
 Losses are normalised by GLOBAL token/sequence counts, so the gradient of a mini-batch must not depend on
 how it is split. verl's legacy mean of micro-batch means would fail these (short micro-batches weigh more).
@@ -13,16 +15,21 @@ from tests.conftest import torchrun
 pytestmark = pytest.mark.dist
 
 MODES = ["token-mean", "seq-mean-token-mean"]
+# 1: one sample per micro-batch, rank 0 (3 samples when uneven) pads to rank 1's 5; 86: rank 0's 4 samples
+# (172 prompt+response tokens) need 2 micro-batches and rank 1's (180) need 3, agreed to 3.
+BUDGETS = [1, 86]
 
 
 @pytest.fixture(scope="module")
 def grads(tiny_untied, tmp_path_factory):
-    """{(world, mode, micro): gradient} for world 1 (micro 8 and 1) and world 2 (micro 4 and 1), and
+    """{(world, mode, micro): gradient} for world 1 (micro 8 and 1) and world 2 (micro 4 and 1), token
+    budgets of 1 and 86 tokens on both, the on-policy old-logprob cases on world 2, and
     {(world, variant): gradient} for the packed / frozen-tower / reused-feature variants."""
     out = {}
     for world, micros in [(1, "8,1"), (2, "4,1")]:
         path = tmp_path_factory.mktemp("grads") / f"w{world}.pt"
         job = ["tests/jobs/grad_invariance.py", str(tiny_untied), str(path), "--micro", micros]
+        job += ["--budgets", ",".join(map(str, BUDGETS))] + (["--fused"] if world == 2 else [])
         torchrun([*job, "--modes", ",".join(MODES), "--variants"], nproc=world)
         out.update({(world, *key): g for key, g in torch.load(path).items()})
     return out
@@ -71,3 +78,28 @@ def test_packed_forward_and_reused_image_features_keep_the_gradient_under_fsdp(g
     assert set(frozen) == set(reused) and not any(".visual." in n for n in frozen)
     assert any(".visual." in n for n in grads[world, "packed"])
     assert _max_rel(frozen, reused) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_gradient_same_with_token_budget_micro_batches(grads, mode, budget):
+    reference = grads[1, mode, 8]
+    for world in (1, 2):
+        for case in (f"budget{budget}", f"budget{budget}-uneven"):
+            assert _max_rel(reference, grads[world, mode, case]) <= 1e-5, (world, case)
+            g = grads[world, mode, case]["__clip_grad_norm__"].item()
+            assert abs(g - reference["__clip_grad_norm__"].item()) <= 1e-5 * g
+
+
+def test_old_logprobs_from_update_forward_are_exact(grads):
+    """On an on-policy mini-batch (2 ranks, FSDP2, 2 micro-batches each), old logprobs from the update's
+    own forward give the same gradient, losses and old logprobs as a separate forward-only pass."""
+    (g_sep, sums_sep, old_sep), (g_fwd, sums_fwd, old_fwd) = (
+        grads[2, "fused", "separate"],
+        grads[2, "fused", "forward"],
+    )
+    assert set(g_sep) == set(g_fwd) and any(g.abs().max() > 0 for g in g_sep.values())
+    for name in g_sep:
+        assert torch.equal(g_sep[name], g_fwd[name]), name
+    assert sums_sep == sums_fwd and sums_sep["actor/pg_loss"][0] != 0
+    assert len(old_fwd) == 8 and all(torch.equal(a, b) for a, b in zip(old_sep, old_fwd, strict=True))

@@ -1,24 +1,30 @@
 """torchrun job: the gradient of one mini-batch must not depend on micro-batch size or world size.
 
     torchrun --nproc_per_node W tests/jobs/grad_invariance.py MODEL_DIR OUT.pt --micro 8,1 --modes token-mean,...
+        [--budgets 1,86] [--fused]
 
 Builds the same global batch of 8 multimodal samples on every rank (fixed seeds; responses of different
-lengths, old/ref logprobs perturbed so clipping and KL are active), gives each rank its contiguous share,
-and for every (loss aggregation mode, micro-batch size) accumulates the gradient with `mini_batch_backward`
-in the same process (one torchrun launch for all of them). Rank 0 saves {(mode, micro): full gradient}.
+lengths, one of them empty, old/ref logprobs perturbed so clipping and KL are active), gives each rank its
+contiguous share, and for every (loss aggregation mode, micro-batch size) accumulates the gradient with
+`mini_batch_backward` in the same process (one torchrun launch for all of them). Rank 0 saves
+{(mode, micro): full gradient}, and with `--budgets` {(mode, "budget<B>"): ...} for token-budget
+micro-batches of B tokens, plus {(mode, "budget<B>-uneven"): ...} where rank 0 holds 3 samples and rank 1
+holds 5 (uneven token counts and micro-batch counts: rank 0 pads with zero-weight micro-batches).
+With `--fused`: {("fused", "separate" | "forward"): (gradient, losses)} on an exactly on-policy mini-batch,
+old logprobs from a forward-only pass or from the update's own forward, and the rank's micro-batch counts
+{("num_micro_batches", case): [per rank]}.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import replace
 
 import torch
 from PIL import Image
 
 from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig
-from spmd_grpo.distributed import init_distributed
+from spmd_grpo.distributed import all_gather_objects, init_distributed
 from spmd_grpo.model import build_policy, clip_grad_norm
 from spmd_grpo.rollout import Prompt, Sample
 from spmd_grpo.update import UpdateSpec, compute_logprobs, encode_images, mini_batch_backward
@@ -36,7 +42,7 @@ def make_samples(processor, vocab_limit: int, share_from: int | None = None) -> 
         image = Image.new("RGB", (56, 56 + 28 * (i % 2)), ((40 * i) % 255, 100, 200))
         if share_from is None or i <= share_from:
             enc = encode(processor, [image], f"Which color? {i}")
-        length = 3 + (5 * i) % 9  # 3..11 tokens: uneven micro-batches
+        length = 0 if i == 2 else 3 + (5 * i) % 9  # 3..11 tokens: uneven micro-batches; one empty
         response = torch.randint(0, vocab_limit, (length,), generator=gen).tolist()
         prompt = Prompt(uid=i // 2, prompt_token_ids=[], images=[image])
         samples.append(
@@ -53,26 +59,58 @@ def make_samples(processor, vocab_limit: int, share_from: int | None = None) -> 
     return samples
 
 
-def gradient(policy, samples: list[Sample], spec: UpdateSpec, world) -> dict[str, torch.Tensor]:
-    """Full gradient of this rank's share of the batch under `spec` (old/ref logprobs and advantages are
-    drawn from fixed seeds around the current logprobs, so clipping and the KL term are active)."""
+def set_inputs(policy, samples: list[Sample], spec: UpdateSpec, old_noise: float = 0.3) -> None:
+    """Old/ref logprobs and advantages from fixed seeds around the current logprobs (clipping and the KL
+    term are active unless `old_noise` is 0)."""
     gen = torch.Generator().manual_seed(99)
     current = compute_logprobs(policy, samples, spec)
     for s, c in zip(samples, current, strict=True):
-        s.old_logprobs = c + 0.3 * torch.randn(c.shape, generator=gen)
+        s.old_logprobs = c + old_noise * torch.randn(c.shape, generator=gen)
     for s, c in zip(samples, current, strict=True):
         s.ref_logprobs = c + 0.5 * torch.randn(c.shape, generator=gen)
     advantages = torch.randn(NUM_SAMPLES, generator=gen)
     for s, a in zip(samples, advantages.tolist(), strict=True):
         s.advantage = a
+
+
+def rank_rows(world, uneven: bool = False) -> slice:
+    """This rank's contiguous share: equal, or (world 2) 3 samples on rank 0 and 5 on rank 1."""
+    if uneven and world.world_size == 2:
+        return slice(0, 3) if world.rank == 0 else slice(3, NUM_SAMPLES)
     share = NUM_SAMPLES // world.world_size
+    return slice(world.rank * share, (world.rank + 1) * share)
+
+
+def backward(policy, samples: list[Sample], spec: UpdateSpec, world, **kwargs) -> tuple[dict, dict]:
+    """(full gradient, metric sums) of `samples` (this rank's share) under `spec`."""
     for p in policy.parameters():
         p.grad = None
-    mini_batch_backward(policy, samples[world.rank * share : (world.rank + 1) * share], spec, world)
+    sums = mini_batch_backward(policy, samples, spec, world, **kwargs)
     grads = {n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None}
     # The clipping norm must be the GLOBAL norm over all shards (same on every rank, any world size).
     grads["__clip_grad_norm__"] = torch.tensor(clip_grad_norm(policy, max_norm=1e9))
-    return grads
+    return grads, sums
+
+
+def gradient(policy, samples: list[Sample], spec: UpdateSpec, world, uneven: bool = False) -> dict:
+    set_inputs(policy, samples, spec)
+    return backward(policy, samples[rank_rows(world, uneven)], spec, world)[0]
+
+
+def fused_cases(policy, samples: list[Sample], spec: UpdateSpec, world) -> dict:
+    """An exactly on-policy mini-batch, old logprobs from a separate forward-only pass (same micro-batches)
+    or from the update's own forward: {("fused", how): (gradient, metric sums, old logprobs)}."""
+    set_inputs(policy, samples, spec, old_noise=0.0)
+    mine = samples[rank_rows(world)]
+    out = {}
+    for how in ("separate", "forward"):
+        if how == "forward":
+            for s in mine:
+                s.old_logprobs = None
+        grads, sums = backward(policy, mine, spec, world, old_from_forward=how == "forward")
+        olds = all_gather_objects([s.old_logprobs for s in mine])
+        out["fused", how] = (grads, sums, [lp for part in olds for lp in part])
+    return out
 
 
 def main() -> None:
@@ -82,6 +120,8 @@ def main() -> None:
     ap.add_argument("--micro", required=True, help="comma-separated micro-batch sizes")
     ap.add_argument("--modes", default="token-mean", help="comma-separated loss aggregation modes")
     ap.add_argument("--variants", action="store_true", help="also packed / reused-image-feature cases")
+    ap.add_argument("--budgets", default="", help="comma-separated token budgets (dynamic batching)")
+    ap.add_argument("--fused", action="store_true", help="old logprobs from the update's forward vs a pass")
     args = ap.parse_args()
     from transformers import AutoProcessor
 
@@ -110,7 +150,19 @@ def main() -> None:
             )
             out[(mode, micro)] = gradient(policy, samples, spec, world)
     if args.variants:
-        out.update(variants(policy, actor, processor, replace(base, micro_batch_size=2), world))
+        out.update(variants(policy, actor, processor, dataclasses.replace(base, micro_batch_size=2), world))
+        for budget in [int(b) for b in args.budgets.split(",") if b]:
+            spec = dataclasses.replace(base, loss_agg_mode=mode, dynamic_batching=True)
+            spec = dataclasses.replace(
+                spec, max_token_len_for_update=budget, max_token_len_for_experience=budget
+            )
+            for uneven in (False, True):
+                out[(mode, f"budget{budget}" + ("-uneven" if uneven else ""))] = gradient(
+                    policy, samples, spec, world, uneven
+                )
+    if args.fused:
+        spec = dataclasses.replace(base, micro_batch_size=2, experience_micro_batch_size=2)
+        out.update(fused_cases(policy, samples, spec, world))
     if world.rank == 0:
         torch.save(out, args.out)
 
@@ -124,10 +176,12 @@ def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> 
     policy.padding_free = True
     out[("packed",)] = gradient(policy, make_samples(processor, 256), spec, world)
     policy.padding_free = False
-    frozen = build_policy(replace(actor, model=replace(actor.model, freeze_vision_tower=True)), world)
+    frozen = build_policy(
+        dataclasses.replace(actor, model=dataclasses.replace(actor.model, freeze_vision_tower=True)), world
+    )
     share_from = 4 if world.rank == 1 else None
     out[("frozen",)] = gradient(frozen, make_samples(processor, 256, share_from), spec, world)
-    reuse = replace(spec, reuse_image_features=True)
+    reuse = dataclasses.replace(spec, reuse_image_features=True)
     samples = make_samples(processor, 256, share_from)
     encode_images(frozen, samples, reuse)
     assert all(s.image_features is not None for s in samples)
