@@ -4,8 +4,6 @@ the run is still writing it (a partial last line), and clear failures when there
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -80,20 +78,14 @@ def test_repeated_steps_keep_the_last_row_and_a_bad_middle_line_is_an_error(tmp_
         read_metrics(run / "metrics.jsonl")
 
 
-def test_cli_prints_the_summary_and_the_plot_path(tmp_path):
+def test_cli_prints_the_summary_and_the_plot_path(tmp_path, capsys):
     run = _write_run(tmp_path / "run", 4)
     out = tmp_path / "elsewhere" / "curves.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spmd_grpo.report", str(run), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[0] == f"run {run}:"
-    assert proc.stdout.splitlines()[-1] == f"plot: {out}"
-    assert "  reward (critic/score/mean): first 5 steps" in proc.stdout
+    assert main([str(run), "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.splitlines()[0] == f"run {run}:"
+    assert stdout.splitlines()[-1] == f"plot: {out}"
+    assert "  reward (critic/score/mean): first 5 steps" in stdout
     assert out.read_bytes()[:8] == PNG_MAGIC
 
 
