@@ -130,11 +130,11 @@ class Family:
         )
 
 
-def _qwen2_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie: bool) -> Published:
-    """Qwen2-VL instruct: vocab 152064 (151936 when tied), rope theta 1e6, mrope [16, 24, 24]; vision tower
-    of 32 blocks, width 1280, MLP ratio 4, 16 heads, patch 14, merge 2."""
+def _qwen2_text(text: tuple[int, int, int, int, int], tie: bool) -> dict[str, Any]:
+    """The language model of Qwen2-VL and Qwen2.5-VL: (hidden, MLP, layers, heads, KV heads); vocab 152064
+    (151936 when tied), rope theta 1e6, mrope [16, 24, 24]."""
     hidden, inter, layers, heads, kv = text
-    text_cfg = dict(
+    return dict(
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
@@ -143,6 +143,13 @@ def _qwen2_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie
         vocab_size=151936 if tie else 152064,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
     )
+
+
+def _qwen2_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie: bool) -> Published:
+    """Qwen2-VL instruct: vocab 152064 (151936 when tied), rope theta 1e6, mrope [16, 24, 24]; vision tower
+    of 32 blocks, width 1280, MLP ratio 4, 16 heads, patch 14, merge 2."""
+    hidden = text[0]
+    text_cfg = _qwen2_text(text, tie)
     vision = dict(depth=32, embed_dim=1280, hidden_size=hidden, mlp_ratio=4, num_heads=16)
     return Published(model_id, text_cfg, vision, tie)
 
@@ -150,16 +157,8 @@ def _qwen2_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie
 def _qwen2_5_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie: bool) -> Published:
     """Qwen2.5-VL instruct: rope theta 1e6, mrope [16, 24, 24]; vision tower of 32 blocks, width 1280, MLP
     3420, 16 heads, patch 14, merge 2, full attention in blocks 7/15/23/31 (window attention elsewhere)."""
-    hidden, inter, layers, heads, kv = text
-    text_cfg = dict(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=151936 if tie else 152064,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-    )
+    hidden = text[0]
+    text_cfg = _qwen2_text(text, tie)
     vision = dict(
         depth=32,
         hidden_size=1280,

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from spmd_grpo.config import ConfigError, load_config, validate
 from spmd_grpo.correction import CorrectionSpec, rollout_correction
@@ -14,6 +13,7 @@ from spmd_grpo.distributed import World
 from spmd_grpo.loss import policy_loss
 from spmd_grpo.rollout import Prompt, Sample
 from spmd_grpo.update import UpdateSpec, compute_logprobs, correction_metrics, mini_batch_backward
+from tests.unit.bigram import BigramPolicy
 
 NAN, INF = float("nan"), float("inf")
 WORLD = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
@@ -166,23 +166,6 @@ def test_policy_loss_multiplies_each_token_loss():
 # ---- in the update --------------------------------------------------------------------------------------------
 
 
-class TinyPolicy(nn.Module):
-    """A bigram model: the logprob of token y given the previous token x is log_softmax(table[x])[y]."""
-
-    def __init__(self, vocab: int = 6) -> None:
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(3)))
-
-    def forward(self, batch, temperature: float = 1.0, with_entropy: bool = False):
-        width = batch.response_mask.shape[1]
-        pos = (batch.prompt_lengths[:, None] + torch.arange(width)[None]).clamp(
-            max=batch.input_ids.shape[1] - 1
-        )
-        logp = (self.table[batch.input_ids.gather(1, pos - 1)] / temperature).log_softmax(-1)
-        lp = logp.gather(-1, batch.input_ids.gather(1, pos)[..., None]).squeeze(-1)
-        return lp, -(logp.exp() * logp).sum(-1)
-
-
 def make_samples(policy, spec, shifts: list[list[float]]) -> list[Sample]:
     """Samples whose old logprobs are the policy's and whose vLLM logprobs are old - shift (d = shift)."""
     samples = [
@@ -216,7 +199,7 @@ BASE = UpdateSpec(
 
 
 def test_update_with_rollout_equal_to_old_is_unchanged():
-    policy = TinyPolicy()
+    policy = BigramPolicy(vocab=6, seed=3)
     samples = make_samples(policy, BASE, [[0.0] * len(d) for d in SHIFTS])
     on = dataclasses.replace(
         BASE, rollout_correction=CorrectionSpec(rollout_is="sequence", rollout_rs="token"), entropy_coef=0.1
@@ -230,7 +213,7 @@ def test_update_with_rollout_equal_to_old_is_unchanged():
 def test_update_loss_is_weighted_and_normalised_by_kept_tokens():
     # old = the policy's logprobs, so r = 1 and the token loss is -A_i w_t. Token TIS (C = 2) + token
     # rejection ([1/2, 2]): e^0.9 = 2.46 and e^-1 = 0.37 are rejected, the rest are kept with w = e^d.
-    policy = TinyPolicy()
+    policy = BigramPolicy(vocab=6, seed=3)
     samples = make_samples(policy, BASE, SHIFTS)
     spec = dataclasses.replace(
         BASE, rollout_correction=CorrectionSpec(rollout_is="token", rollout_rs="token")
@@ -256,7 +239,7 @@ def test_update_loss_is_weighted_and_normalised_by_kept_tokens():
 
 
 def test_no_metrics_when_off():
-    policy = TinyPolicy()
+    policy = BigramPolicy(vocab=6, seed=3)
     assert correction_metrics(make_samples(policy, BASE, SHIFTS), BASE) == {}
 
 

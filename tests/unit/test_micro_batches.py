@@ -21,26 +21,9 @@ from spmd_grpo.update import (
     micro_batches,
     mini_batch_backward,
 )
+from tests.unit.bigram import BigramPolicy
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
-
-
-class Bigram(nn.Module):
-    """logprob of token y after token x = log_softmax(table[x] / temperature)[y]; zero on padding."""
-
-    def __init__(self, vocab: int = 7) -> None:
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(5)))
-
-    def forward(self, batch, temperature: float = 1.0, with_entropy: bool = False):
-        width = batch.response_mask.shape[1]
-        pos = (batch.prompt_lengths[:, None] + torch.arange(width)[None]).clamp(
-            max=batch.input_ids.shape[1] - 1
-        )
-        logp = (self.table[batch.input_ids.gather(1, pos - 1)] / temperature).log_softmax(-1)
-        lp = logp.gather(-1, batch.input_ids.gather(1, pos)[..., None]).squeeze(-1)
-        entropy = -(logp.exp() * logp).sum(-1)
-        return lp * batch.response_mask, entropy * batch.response_mask
 
 
 RESPONSE_LENGTHS = [9, 1, 4, 0, 12, 2, 3, 7]  # long-tailed, one empty response
@@ -86,7 +69,7 @@ def test_balanced_partitions_by_hand():
 
 
 def test_token_budget_sets_the_number_of_micro_batches():
-    samples = make_samples(BASE, Bigram())
+    samples = make_samples(BASE, BigramPolicy(vocab=7, seed=5))
     tokens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]  # 56 in all
     spec = dataclasses.replace(BASE, dynamic_batching=True, max_token_len_for_update=20)
     plan = micro_batches(samples, spec, for_update=True)
@@ -102,7 +85,7 @@ def test_token_budget_sets_the_number_of_micro_batches():
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_gradient_same_with_token_budget(mode):
-    policy = Bigram()
+    policy = BigramPolicy(vocab=7, seed=5)
     base = dataclasses.replace(BASE, loss_agg_mode=mode)
     samples = make_samples(base, policy)
     for s in samples:  # off-policy old logprobs: clipping is active
@@ -121,7 +104,7 @@ def test_gradient_same_with_token_budget(mode):
 def test_old_logprobs_from_the_update_forward_are_exact():
     """Same losses, metrics and gradient as a separate forward-only pass (on-policy step), and the samples'
     old logprobs are set to that forward's values."""
-    policy = Bigram()
+    policy = BigramPolicy(vocab=7, seed=5)
     spec = dataclasses.replace(
         BASE, micro_batch_size=4, experience_micro_batch_size=4, old_logprobs_from_update=True
     )
@@ -145,7 +128,7 @@ def test_old_logprobs_from_the_update_forward_are_exact():
 
 def test_old_logprobs_from_forward_with_truncated_is():
     """TIS weights computed from the forward's own old logprobs equal those of a separate pass."""
-    policy = Bigram()
+    policy = BigramPolicy(vocab=7, seed=5)
     spec = dataclasses.replace(
         BASE, rollout_correction=CorrectionSpec(rollout_is="token", rollout_is_threshold=1.05)
     )
@@ -160,7 +143,7 @@ def test_old_logprobs_from_forward_with_truncated_is():
 def test_padding_micro_batches_add_nothing():
     """A rank with fewer micro-batches than the agreed count runs zero-weight ones (here forced by a budget
     that asks for more parts than samples): same gradient, counted as forward/backward calls."""
-    policy = Bigram()
+    policy = BigramPolicy(vocab=7, seed=5)
     samples = make_samples(BASE, policy)[:2]
     spec = dataclasses.replace(BASE, micro_batch_size=1)
     sums_ref, grad_ref = backward(policy, samples, spec)
