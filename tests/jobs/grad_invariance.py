@@ -149,8 +149,6 @@ def main() -> None:
                 base, loss_agg_mode=mode, micro_batch_size=micro, experience_micro_batch_size=micro
             )
             out[(mode, micro)] = gradient(policy, samples, spec, world)
-    if args.variants:
-        out.update(variants(policy, actor, processor, dataclasses.replace(base, micro_batch_size=2), world))
         for budget in [int(b) for b in args.budgets.split(",") if b]:
             spec = dataclasses.replace(base, loss_agg_mode=mode, dynamic_batching=True)
             spec = dataclasses.replace(
@@ -160,6 +158,8 @@ def main() -> None:
                 out[(mode, f"budget{budget}" + ("-uneven" if uneven else ""))] = gradient(
                     policy, samples, spec, world, uneven
                 )
+    if args.variants:
+        out.update(variants(policy, actor, processor, dataclasses.replace(base, micro_batch_size=2), world))
     if args.fused:
         spec = dataclasses.replace(base, micro_batch_size=2, experience_micro_batch_size=2)
         out.update(fused_cases(policy, samples, spec, world))
