@@ -203,8 +203,12 @@ def _qwen3_vl_published(model_id: str, text: tuple, vision: tuple, tie: bool):
     return Published(model_id, text_cfg, vision_cfg, tie)
 
 
-# Values of the published config.json files. Qwen3-VL-2B and Qwen2-VL-2B are left out: their configs could
-# not be checked against a published copy here (a local directory or a cached hub config still works).
+# Values of the published config.json files. Each row's parameter count, built on the meta device, must equal
+# its published model size (`SIZES_B`, tested), which catches a wrong width or depth. The two 2B rows were
+# not read from a published config.json but put together from partial public copies; the count settles the
+# one value those copies disagree on, the 2B MLP width: Qwen3-VL-2B's language model is Qwen3-1.7B's (MLP
+# 6144 gives 2.13B; the 5632 and 8192 seen elsewhere give 2.04B and 2.48B), Qwen2-VL-2B's is Qwen2-1.5B's
+# (MLP 8960 gives 2.21B).
 QWEN2_VL = Family(
     name="Qwen2-VL",
     model_type="qwen2_vl",
@@ -213,7 +217,10 @@ QWEN2_VL = Family(
     processor_class="Qwen2VLProcessor",
     patch_size=14,
     legacy_weight_names=True,
-    published=(_qwen2_vl_published("Qwen/Qwen2-VL-7B-Instruct", (3584, 18944, 28, 28, 4), False),),
+    published=(
+        _qwen2_vl_published("Qwen/Qwen2-VL-2B-Instruct", (1536, 8960, 28, 12, 2), True),
+        _qwen2_vl_published("Qwen/Qwen2-VL-7B-Instruct", (3584, 18944, 28, 28, 4), False),
+    ),
 )
 QWEN2_5_VL = Family(
     name="Qwen2.5-VL",
@@ -240,6 +247,9 @@ QWEN3_VL = Family(
     reusable_image_features=False,
     published=(
         _qwen3_vl_published(
+            "Qwen/Qwen3-VL-2B-Instruct", (2048, 6144, 28, 16, 8), (24, 1024, 4096, (5, 11, 17)), True
+        ),
+        _qwen3_vl_published(
             "Qwen/Qwen3-VL-4B-Instruct", (2560, 9728, 36, 32, 8), (24, 1024, 4096, (5, 11, 17)), True
         ),
         _qwen3_vl_published(
@@ -251,6 +261,19 @@ QWEN3_VL = Family(
     ),
 )
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}
+SIZES_B: dict[str, float] = {
+    "Qwen/Qwen2-VL-2B-Instruct": 2.21,
+    "Qwen/Qwen2-VL-7B-Instruct": 8.29,
+    "Qwen/Qwen2.5-VL-3B-Instruct": 3.75,
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8.29,
+    "Qwen/Qwen2.5-VL-32B-Instruct": 33.5,
+    "Qwen/Qwen3-VL-2B-Instruct": 2.13,
+    "Qwen/Qwen3-VL-4B-Instruct": 4.44,
+    "Qwen/Qwen3-VL-8B-Instruct": 8.77,
+    "Qwen/Qwen3-VL-32B-Instruct": 33.4,
+}
+"""Published model sizes in billions of parameters (the model cards' figures), checked against the table."""
+
 PUBLISHED: dict[str, Family] = {p.model_id: f for f in FAMILIES.values() for p in f.published}
 
 

@@ -3,8 +3,8 @@
     python -m spmd_grpo.train cfg.yaml --dry-run --nnodes 4 --nproc-per-node 8 [key=value ...]
 
 Validates the config for that world size, builds the model on the meta device (no weights, no download when
-the model id is one of the published architectures of `families.py` -- Qwen2-VL 7B, Qwen2.5-VL 3B/7B/32B,
-Qwen3-VL 4B/8B/32B -- and the hub is unreachable), and prints: the mesh layout
+the model id is one of the published architectures of `families.py` -- Qwen2-VL 2B/7B, Qwen2.5-VL 3B/7B/32B,
+Qwen3-VL 2B/4B/8B/32B -- and the hub is unreachable), and prints: the mesh layout
 (TP groups, which rank owns which prompts), batch arithmetic, the first batch's tensor shapes, and a
 per-rank memory estimate. The memory figures are ARITHMETIC from parameter counts and config, not
 measurements: activations in particular are an order-of-magnitude estimate.

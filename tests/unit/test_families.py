@@ -5,7 +5,15 @@ import json
 
 import pytest
 
-from spmd_grpo.families import FAMILIES, PUBLISHED, QWEN2_5_VL, QWEN2_VL, QWEN3_VL, family_of_model_path
+from spmd_grpo.families import (
+    FAMILIES,
+    PUBLISHED,
+    QWEN2_5_VL,
+    QWEN2_VL,
+    QWEN3_VL,
+    SIZES_B,
+    family_of_model_path,
+)
 from spmd_grpo.train import main
 
 
@@ -52,3 +60,24 @@ def test_an_unsupported_model_is_refused_at_config_time_naming_the_supported_one
         f"config error: worker.actor.model.model_path={str(tmp_path)!r}: {tmp_path / 'config.json'} has model_type 'llava', which is not supported; supported: "
         "Qwen2-VL (model_type qwen2_vl), Qwen2.5-VL (model_type qwen2_5_vl), Qwen3-VL (model_type qwen3_vl)"
     )
+
+
+@pytest.mark.parametrize("model_id", sorted(PUBLISHED))
+def test_every_published_architecture_has_its_published_size(model_id):
+    """Built on the meta device from the table, each model has the size its model card states (to the card's
+    three significant digits), so a wrong width, depth, vocabulary or tie in the table shows here."""
+    from spmd_grpo.plan import _count_parameters
+
+    assert set(SIZES_B) == set(PUBLISHED)
+    params_b = _count_parameters(PUBLISHED[model_id].published_config(model_id)).num_params / 1e9
+    assert params_b == pytest.approx(SIZES_B[model_id], rel=0.002), params_b
+
+
+@pytest.mark.parametrize("model_id", ["Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-4B-Instruct"])
+def test_the_small_qwen3_vl_models_dry_run_on_8_nodes(model_id):
+    from spmd_grpo.config import load_config
+    from spmd_grpo.plan import dry_run
+
+    cfg = load_config("configs/qwen3_vl_8b_geo3k_grpo.yaml", [f"worker.actor.model.model_path={model_id}"])
+    plan = dry_run(cfg, nnodes=8, nproc_per_node=8, device_memory_gb=80)
+    assert "world 64" in plan and f"{SIZES_B[model_id]:.2f}B parameters" in plan, plan
