@@ -21,6 +21,9 @@ built) and never checks a model type itself. A family says:
     `save_pretrained` writes (and the published checkpoints hold) the older layout (`model.layers.*`,
     `visual.*`), for Qwen3-VL the in-memory names. vLLM's `hf_to_vllm_mapper` of each family accepts the
     in-memory names, so the weight push sends those for every family;
+  * the layout of its vision tower at any size (`vision_layout`) and its text-config particulars (explicit
+    head_dim, interleaved mrope, DeepStack), which both the published rows below and the tiny-model builder
+    (`spmd_grpo.tools.make_tiny_model`) use;
   * the published architectures the `--dry-run` knows without the hub.
 
 This module imports neither torch nor transformers at import time (the config layer uses it).
@@ -29,6 +32,7 @@ This module imports neither torch nor transformers at import time (the config la
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,12 +61,26 @@ class Family:
     patch_size: int
     legacy_weight_names: bool
     """The checkpoint stores `model.layers.*` / `visual.*` rather than the in-memory names."""
+    video_processor_class: str
+    vision_layout: Callable[..., dict[str, Any]]
+    """`vision_layout(depth, width, mlp, heads, out_hidden, **extra)`: the vision_config of this family's tower
+    of that size (the module functions `_qwen2_vl_vision`, ... below)."""
     published: tuple[Published, ...] = field(default=())
     merge_size: int = 2
-    reusable_image_features: bool = True
-    """The tower's final output is all the language model takes from it, so features encoded once can stand
-    in for the pixels (`worker.actor.reuse_image_features`). Qwen3-VL also feeds DeepStack features from
-    intermediate tower layers into its first decoder layers, which that path does not carry: it re-encodes."""
+    explicit_head_dim: bool = False
+    """The text config states head_dim (Qwen3-VL: 128 at every size, also where hidden / heads is not 128)."""
+    mrope_interleaved: bool = False
+    """T/H/W rotary frequencies interleaved rather than in three blocks (Qwen3-VL)."""
+    deepstack: bool = False
+    """Vision features of intermediate tower blocks are added to the first decoder layers' hidden states at
+    the image tokens (Qwen3-VL's DeepStack; `vision_layout` then takes `deepstack=` block indexes)."""
+
+    @property
+    def reusable_image_features(self) -> bool:
+        """The tower's final output is all the language model takes from it, so features encoded once can stand
+        in for the pixels (`worker.actor.reuse_image_features`). Not with DeepStack: the reuse path carries
+        only the final features, so such a model re-encodes."""
+        return not self.deepstack
 
     @property
     def image_factor(self) -> int:
@@ -83,6 +101,11 @@ class Family:
         import transformers
 
         return getattr(transformers, self.processor_class)
+
+    def video_processor_cls(self):
+        import transformers
+
+        return getattr(transformers, self.video_processor_class)
 
     @staticmethod
     def vision_tower(hf_model):
@@ -145,29 +168,57 @@ def _qwen2_text(text: tuple[int, int, int, int, int], tie: bool) -> dict[str, An
     )
 
 
+def _qwen2_vl_vision(depth: int, width: int, mlp: int, heads: int, out_hidden: int) -> dict[str, Any]:
+    """Qwen2-VL's tower: LayerNorm blocks, MLP given as a ratio, no window attention; its `hidden_size` is the
+    language model's width (the merger's output)."""
+    return dict(depth=depth, embed_dim=width, hidden_size=out_hidden, mlp_ratio=mlp // width, num_heads=heads)
+
+
+def _qwen2_5_vl_vision(depth: int, width: int, mlp: int, heads: int, out_hidden: int) -> dict[str, Any]:
+    """Qwen2.5-VL's tower: RMSNorm blocks with window attention (112 pixels), full attention in every 8th block
+    and the last (7/15/23/31 at depth 32)."""
+    full = [i for i in range(depth) if (i + 1) % 8 == 0 or i == depth - 1]
+    return dict(
+        depth=depth,
+        hidden_size=width,
+        intermediate_size=mlp,
+        num_heads=heads,
+        out_hidden_size=out_hidden,
+        patch_size=14,
+        window_size=112,
+        fullatt_block_indexes=full,
+    )
+
+
+def _qwen3_vl_vision(
+    depth: int, width: int, mlp: int, heads: int, out_hidden: int, *, deepstack=(), position_embeddings=2304
+) -> dict[str, Any]:
+    """Qwen3-VL's tower: patch 16, learnt position embeddings (a square count), DeepStack mergers after the
+    blocks `deepstack`."""
+    return dict(
+        depth=depth,
+        hidden_size=width,
+        intermediate_size=mlp,
+        num_heads=heads,
+        out_hidden_size=out_hidden,
+        patch_size=16,
+        num_position_embeddings=position_embeddings,
+        deepstack_visual_indexes=list(deepstack),
+    )
+
+
 def _qwen2_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie: bool) -> Published:
     """Qwen2-VL instruct: vocab 152064 (151936 when tied), rope theta 1e6, mrope [16, 24, 24]; vision tower
     of 32 blocks, width 1280, MLP ratio 4, 16 heads, patch 14, merge 2."""
-    hidden = text[0]
-    text_cfg = _qwen2_text(text, tie)
-    vision = dict(depth=32, embed_dim=1280, hidden_size=hidden, mlp_ratio=4, num_heads=16)
-    return Published(model_id, text_cfg, vision, tie)
+    vision = _qwen2_vl_vision(32, 1280, 5120, 16, text[0])
+    return Published(model_id, _qwen2_text(text, tie), vision, tie)
 
 
 def _qwen2_5_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie: bool) -> Published:
     """Qwen2.5-VL instruct: rope theta 1e6, mrope [16, 24, 24]; vision tower of 32 blocks, width 1280, MLP
     3420, 16 heads, patch 14, merge 2, full attention in blocks 7/15/23/31 (window attention elsewhere)."""
-    hidden = text[0]
-    text_cfg = _qwen2_text(text, tie)
-    vision = dict(
-        depth=32,
-        hidden_size=1280,
-        intermediate_size=3420,
-        num_heads=16,
-        out_hidden_size=hidden,
-        fullatt_block_indexes=[7, 15, 23, 31],
-    )
-    return Published(model_id, text_cfg, vision, tie)
+    vision = _qwen2_5_vl_vision(32, 1280, 3420, 16, text[0])
+    return Published(model_id, _qwen2_text(text, tie), vision, tie)
 
 
 def _qwen3_vl_published(model_id: str, text: tuple, vision: tuple, tie: bool):
@@ -190,16 +241,7 @@ def _qwen3_vl_published(model_id: str, text: tuple, vision: tuple, tie: bool):
             "mrope_interleaved": True,
         },
     )
-    vision_cfg = dict(
-        depth=depth,
-        hidden_size=width,
-        intermediate_size=mlp,
-        num_heads=16,
-        out_hidden_size=hidden,
-        patch_size=16,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=list(deepstack),
-    )
+    vision_cfg = _qwen3_vl_vision(depth, width, mlp, 16, hidden, deepstack=deepstack)
     return Published(model_id, text_cfg, vision_cfg, tie)
 
 
@@ -215,6 +257,8 @@ QWEN2_VL = Family(
     model_class="Qwen2VLForConditionalGeneration",
     config_class="Qwen2VLConfig",
     processor_class="Qwen2VLProcessor",
+    video_processor_class="Qwen2VLVideoProcessor",
+    vision_layout=_qwen2_vl_vision,
     patch_size=14,
     legacy_weight_names=True,
     published=(
@@ -228,6 +272,8 @@ QWEN2_5_VL = Family(
     model_class="Qwen2_5_VLForConditionalGeneration",
     config_class="Qwen2_5_VLConfig",
     processor_class="Qwen2_5_VLProcessor",
+    video_processor_class="Qwen2VLVideoProcessor",
+    vision_layout=_qwen2_5_vl_vision,
     patch_size=14,
     legacy_weight_names=True,
     published=(
@@ -242,9 +288,13 @@ QWEN3_VL = Family(
     model_class="Qwen3VLForConditionalGeneration",
     config_class="Qwen3VLConfig",
     processor_class="Qwen3VLProcessor",
+    video_processor_class="Qwen3VLVideoProcessor",
+    vision_layout=_qwen3_vl_vision,
     patch_size=16,
     legacy_weight_names=False,
-    reusable_image_features=False,
+    explicit_head_dim=True,
+    mrope_interleaved=True,
+    deepstack=True,
     published=(
         _qwen3_vl_published(
             "Qwen/Qwen3-VL-2B-Instruct", (2048, 6144, 28, 16, 8), (24, 1024, 4096, (5, 11, 17)), True

@@ -144,8 +144,10 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
 
 
-def _text_config(spec: TinyModelSpec, ids: dict[str, int], vocab_size: int) -> dict:
+def _text_config(spec: TinyModelSpec, family, ids: dict[str, int], vocab_size: int) -> dict:
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": _mrope_section(spec.head_dim)}
+    if family.mrope_interleaved:
+        rope["mrope_interleaved"] = True
     text = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
@@ -161,36 +163,24 @@ def _text_config(spec: TinyModelSpec, ids: dict[str, int], vocab_size: int) -> d
         initializer_range=spec.init_std,
         tie_word_embeddings=spec.tie_word_embeddings,
     )
-    if spec.family == "qwen3_vl":  # explicit head_dim; interleaved mrope (T/H/W frequencies interleaved)
-        text.update(head_dim=spec.head_dim, rope_parameters=dict(rope, mrope_interleaved=True))
+    if family.explicit_head_dim:
+        text["head_dim"] = spec.head_dim
     return text
 
 
-def _vision_config(spec: TinyModelSpec) -> dict:
-    """The vision tower of each family at tiny size (the published towers' layout, fewer and narrower)."""
+def _vision_config(spec: TinyModelSpec, family) -> dict:
+    """The family's vision tower at tiny size (its published layout, fewer and narrower blocks, MLP 2x wide);
+    a DeepStack tower (Qwen3-VL) feeds every block to the language model, as far as it has layers."""
     width, depth = spec.vision_hidden_size, spec.vision_depth
-    common = dict(depth=depth, num_heads=spec.vision_num_heads, initializer_range=spec.init_std)
-    common.update(spatial_merge_size=2, temporal_patch_size=2)
-    if spec.family == "qwen2_vl":  # no window attention, LayerNorm, MLP ratio
-        return dict(common, embed_dim=width, hidden_size=spec.hidden_size, mlp_ratio=2, patch_size=14)
-    if spec.family == "qwen3_vl":  # learnt position embeddings (a square count), DeepStack from every block
-        return dict(
-            common,
-            hidden_size=width,
-            intermediate_size=2 * width,
-            out_hidden_size=spec.hidden_size,
-            patch_size=16,
-            num_position_embeddings=144,
-            deepstack_visual_indexes=list(range(min(depth, spec.num_hidden_layers))),
-        )
+    extra = {}
+    if family.deepstack:
+        extra = dict(deepstack=range(min(depth, spec.num_hidden_layers)), position_embeddings=144)
+    layout = family.vision_layout(depth, width, 2 * width, spec.vision_num_heads, spec.hidden_size, **extra)
     return dict(
-        common,
-        hidden_size=width,
-        intermediate_size=2 * width,
-        out_hidden_size=spec.hidden_size,
-        patch_size=14,
-        window_size=112,
-        fullatt_block_indexes=[depth - 1],
+        layout,
+        initializer_range=spec.init_std,
+        spatial_merge_size=family.merge_size,
+        temporal_patch_size=2,
     )
 
 
@@ -201,8 +191,8 @@ def tiny_config(spec: TinyModelSpec, ids: dict[str, int], num_tokens: int):
     family = family_for_type(spec.family, "TinyModelSpec.family")
     vocab_size = num_tokens + -num_tokens % 64  # padded like real checkpoints (vLLM shards the vocab)
     config = family.config_cls()(
-        text_config=_text_config(spec, ids, vocab_size),
-        vision_config=_vision_config(spec),
+        text_config=_text_config(spec, family, ids, vocab_size),
+        vision_config=_vision_config(spec, family),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -231,10 +221,7 @@ def _save_processor(out: Path, tokenizer, family) -> None:
 
 
 def _video_processor(family):
-    import transformers
-
-    name = "Qwen3VLVideoProcessor" if family.model_type == "qwen3_vl" else "Qwen2VLVideoProcessor"
-    return getattr(transformers, name)(patch_size=family.patch_size, merge_size=family.merge_size)
+    return family.video_processor_cls()(patch_size=family.patch_size, merge_size=family.merge_size)
 
 
 def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
