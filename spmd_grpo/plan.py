@@ -151,10 +151,27 @@ def _layout_lines(cfg: Config, b: _Batches) -> list[str]:
         f"prompts per step {d.rollout_batch_size}: {prompts_per_rank} per rank, each with all {r.n} samples "
         f"({'; '.join(owners)}); a TP group generates its {prompts_per_rank * tp} prompts together",
         f"update: {b.samples_per_rank} samples per rank -> {b.num_mini} mini-batch(es) of {b.mini_per_rank} "
-        f"per rank (global {a.global_batch_size}) x {b.micro_per_mini} micro-batches of "
-        f"{a.micro_batch_size_per_device_for_update} x {a.ppo_epochs} epoch(s) = "
+        f"per rank (global {a.global_batch_size}) x "
+        + (
+            f"micro-batches of ~{a.max_token_len_per_device_for_update} tokens (token budget; their count is "
+            "set each step from the lengths, the same on every rank)"
+            if a.dynamic_batching
+            else f"{b.micro_per_mini} micro-batches of {a.micro_batch_size_per_device_for_update}"
+        )
+        + f" x {a.ppo_epochs} epoch(s) = "
         f"{b.num_mini * a.ppo_epochs} optimizer steps per training step",
     ]
+
+
+def _micro_tokens(cfg: Config, b: _Batches) -> int:
+    """Most prompt + response tokens in one update micro-batch. A fixed-count micro-batch is padded to
+    micro x the longest sequence. A token-budget one (`dynamic_batching`) holds about the budget: its parts
+    are balanced but, as verl's, not capped, so one part can exceed the budget by up to one sequence, and
+    none holds more than the rank's mini-batch."""
+    a = cfg.worker.actor
+    if not a.dynamic_batching:
+        return a.micro_batch_size_per_device_for_update * b.seq
+    return min(b.mini_per_rank * b.seq, a.max_token_len_per_device_for_update + b.seq)
 
 
 def _shapes_line(cfg: Config, seq: int, patch: int) -> str:
@@ -171,11 +188,18 @@ def _shapes_line(cfg: Config, seq: int, patch: int) -> str:
         if max_img_tokens > d.max_prompt_length
         else ""
     )
+    images = f"an image gives {min_img_tokens}..{max_img_tokens} tokens (min/max_pixels)" + too_large
+    if cfg.worker.actor.dynamic_batching:
+        budget = cfg.worker.actor.max_token_len_per_device_for_update
+        return (
+            f"update micro-batch shapes: ~{budget} prompt + response tokens each (token budget), as input_ids "
+            f"[1, tokens] packed (padding_free) or [samples, longest] padded; pixel_values [<= tokens x 4, "
+            f"{patch_dim}]; {images}"
+        )
     return (
         f"first batch shapes per micro-batch (padded to the longest; at most): input_ids [{micro}, {seq}], "
         f"position_ids [3, {micro}, {seq}], pixel_values [<= {micro * max_img_tokens * 4}, {patch_dim}], "
-        f"image_grid_thw [{micro}, 3]; an image gives {min_img_tokens}..{max_img_tokens} tokens (min/max_pixels)"
-        + too_large
+        f"image_grid_thw [{micro}, 3]; {images}"
     )
 
 
@@ -186,13 +210,13 @@ def _train_memory(cfg: Config, model: _Model, b: _Batches) -> dict[str, float]:
     shard = model.num_params / world
     trainable = model.num_params - (model.num_vision if a.model.freeze_vision_tower else 0)
     checkpointing = a.model.enable_gradient_checkpointing
-    micro = a.micro_batch_size_per_device_for_update
     per_layer = 1 if checkpointing else 16  # activations kept per layer, in units of the layer's input
     ref_offload = cfg.worker.ref.offload_params
     ref_dtype = _reference_dtype(cfg)
     reference = f"reference {ref_dtype} shard" + (" (CPU offload)" if ref_offload else "")
     logits = f"logits chunk fp32 ({a.logprob_chunk_size} tokens x vocab)"
-    activations = "activations (estimate: layer inputs kept" + (
+    tokens = _micro_tokens(cfg, b)
+    activations = f"activations (estimate: {tokens} tokens' layer inputs kept" + (
         ", checkpointing)" if checkpointing else ", no checkpointing x ~16)"
     )
     return {
@@ -202,7 +226,7 @@ def _train_memory(cfg: Config, model: _Model, b: _Batches) -> dict[str, float]:
         "gathered bf16 layer (+ prefetch)": 2 * BF16 * model.layer_params,
         reference: 0.0 if ref_offload or not cfg.algorithm.use_kl_loss else BYTES[ref_dtype] * shard,
         logits: 4 * a.logprob_chunk_size * text.vocab_size * 2,
-        activations: micro * b.seq * text.hidden_size * BF16 * text.num_hidden_layers * per_layer,
+        activations: tokens * text.hidden_size * BF16 * text.num_hidden_layers * per_layer,
     }
 
 

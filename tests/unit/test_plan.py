@@ -19,11 +19,28 @@ def test_7b_geo3k_plan_for_4_nodes_x_8():
     assert "16 x TP 2" in plan and "[[0, 1], [2, 3]" in plan
     assert "rank 0: prompts 0..15" in plan and "rank 31: prompts 496..511" in plan
     assert "20 mini-batch(es) of 4 per rank" in plan
-    assert "input_ids [4, 4096]" in plan
+    assert "~16384 prompt + response tokens each (token budget)" in plan  # dynamic batching on
+    assert "activations (estimate: 16384 tokens' layer inputs kept" in plan  # min(4 x 4096, 16384 + 4096)
     training = next(line for line in plan.splitlines() if "peak while training" in line)
     rollout = next(line for line in plan.splitlines() if "rollout: trainer state" in line)
     assert training.endswith("-> fits") and rollout.endswith("-> fits")
     assert "concurrent max-length" in plan
+
+
+def test_fixed_count_micro_batches_are_planned_padded_to_the_longest():
+    cfg = load_config(
+        REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml", ["worker.actor.dynamic_batching=false"]
+    )
+    plan = dry_run(cfg, nnodes=1, nproc_per_node=8)
+    assert "x 4 micro-batches of 4 x 1 epoch(s)" in plan and "input_ids [4, 4096]" in plan
+    assert "activations (estimate: 16384 tokens' layer inputs kept" in plan
+
+
+def test_a_token_budget_micro_batch_is_planned_at_its_budget_plus_one_sequence():
+    """Balanced parts are not capped at the budget (as verl's): one can hold one more max-length sequence."""
+    cfg = load_config(REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml")
+    plan = dry_run(cfg, nnodes=1, nproc_per_node=8)  # 16 samples per rank and mini-batch
+    assert "activations (estimate: 20480 tokens' layer inputs kept" in plan
 
 
 def test_32b_on_8_devices_is_flagged_too_tight_for_training():
