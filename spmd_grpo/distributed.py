@@ -1,7 +1,11 @@
 """Device and process-group layer: the only module that knows about cuda / npu / cpu.
 
 Device type: `auto` picks npu when `torch_npu` imports and reports a device, else cuda when available, else
-cpu. Backend: nccl (cuda), hccl (npu), gloo (cpu). Everything else calls the helpers here (memory stats,
+cpu. Backend: `cpu:gloo,cuda:nccl` (cuda), `cpu:gloo,npu:hccl` (npu), gloo (cpu). The default group has a
+backend for host tensors too, as verl's has: the small bookkeeping collectives (counts, metric sums, timers,
+micro-batch counts, the DAPO group sizes) reduce CPU tensors, which an nccl- or hccl-only group refuses
+("No backend type associated with device type cpu"), and they should not pay a host-device copy each. FSDP,
+the weight push and everything else on device tensors go over nccl / hccl. Everything else calls the helpers here (memory stats,
 cache emptying, seeding, collectives, per-device defaults) and never spells a device name.
 
 Ascend NPUs (`torch_npu` + vllm-ascend; only tested here against a fake `torch_npu`, never on real NPUs):
@@ -58,7 +62,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl", "cpu": "gloo"}
 
 
 def _import_torch_npu() -> ModuleType | None:

@@ -4,7 +4,8 @@
   rounding, and are much closer to the new weights than to the old ones (the staleness control);
 * sleep / wake: sleep level 2 gives back what vLLM reserved, and after wake + push the engine samples the
   same greedy tokens as before sleeping;
-* weight sync bandwidth: one push of every weight, bytes / seconds, printed.
+* weight sync bandwidth: one push of every weight, bytes / seconds, printed;
+* the process group reduces host tensors (over gloo) as well as device tensors (over nccl).
 Never run by this project so far (no GPU was available): the thresholds are first estimates.
 """
 
@@ -30,6 +31,13 @@ def test_parity_in_bf16_after_update(tiny_untied, tmp_path):
     print({k: v for k, v in r.items() if k != "group_outputs"})
     assert r["new_diff_mean"] < 0.05 and r["new_diff_mean"] * 5 < r["old_diff_mean"], r
     assert r["nosync_new_diff_max"] > r["nosync_old_diff_max"], r
+
+
+def test_the_process_group_reduces_host_and_device_tensors():
+    """An nccl-only group refuses CPU tensors; the trainer's bookkeeping collectives reduce CPU tensors."""
+    out = torchrun(["tests/jobs/gpu_backends.py"], nproc=1).stdout
+    print(out)
+    assert '"backend": "cpu:gloo,cuda:nccl"' in out and '"host": [1.0, 1.0], "device": [1.0, 1.0]' in out
 
 
 def test_sleep_frees_memory_and_wake_restores_the_policy(tiny_untied, tmp_path):

@@ -89,12 +89,12 @@ def test_init_distributed_on_npu_uses_hccl_and_local_rank(fake_npu, recorded_ini
     monkeypatch.setenv("LOCAL_RANK", "3")
     world = D.init_distributed("npu", timeout_s=123)
 
-    assert (world.device_type, world.backend) == ("npu", "hccl")
+    assert (world.device_type, world.backend) == ("npu", "cpu:gloo,npu:hccl")
     assert (world.rank, world.world_size, world.local_rank) == (11, 16, 3)
     assert ("set_device", (3,)) in fake_npu.calls
     assert len(recorded_init) == 1
     kwargs = recorded_init[0]
-    assert kwargs["backend"] == "hccl"
+    assert kwargs["backend"] == "cpu:gloo,npu:hccl"  # host tensors (counts, metrics) over gloo
     assert kwargs["timeout"].total_seconds() == 123
     assert kwargs["device_id"] is None  # hccl is created lazily, as verl does
 
@@ -104,7 +104,7 @@ def test_auto_init_on_npu_machine(fake_npu, recorded_init, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "5")
     world = D.init_distributed("auto")
-    assert world.backend == recorded_init[0]["backend"] == "hccl"
+    assert world.backend == recorded_init[0]["backend"] == "cpu:gloo,npu:hccl"
     assert ("set_device", (5,)) in fake_npu.calls
 
 
