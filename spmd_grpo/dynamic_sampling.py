@@ -9,9 +9,33 @@ passes, so:
     are selected (the surplus is dropped, as in DAPO/verl) and their samples are laid out in that order and
     cut into equal contiguous shares, one per rank. A group may then straddle two ranks: the advantage uses
     collectives on `group_index` (0..target-1), so its statistics stay exact.
-  * samples move only to the rank that needs them (`distributed.exchange_objects`).
+  * samples move only to the rank that needs them, as raw bytes (`exchange_samples`).
 Deviation from verl: verl keeps whole groups on the driver and then splits the batch; here the split is
 done by the same global order without a driver.
+
+How samples move. Each destination gets one segment of one uint8 `all_to_all_single`: a small pickled
+header (structure, offsets, strings, per-sample scalars and scores) and then every numeric field as raw
+bytes: token ids (int64), vLLM's logprobs (float64, exactly the Python floats), each prompt's images (PIL
+pixel bytes; mode, size, palette and info in the header) and any tensor (pixel values, grids, features,
+logprobs), each prompt and each shared tensor once per destination, viewed in place on arrival (16-byte
+aligned). The result equals what pickling the samples gave, field by field and bit by bit, with the same
+sharing (a prompt's samples on a rank share one Prompt and one pixel tensor). The trainer attaches pixel
+values only after rebalancing, so only the images travel (float32 pixel values are 8x the image's bytes:
+2 frames x 4 bytes per channel value) and groups that are dropped never reach the image processor.
+
+Arithmetic for 64 ranks, 512 prompts x 8 samples per generation batch, 512 groups kept (4,096 samples, 64
+per rank from 8-9 prompts), geometry3k's ~500 x 500 image made 532 x 532 by min_pixels 512 x 512 (1,444
+patches, 361 image tokens, prompt ~460 tokens), responses of 1,024 tokens on average (2,048 at most):
+  * before (pickled `Sample`s, pixel values attached before filtering): per prompt 6.79 MB of float32 pixel
+    values (1,444 x 1,176 x 4 B) + 0.85 MB of image, per sample ~21 KB of pickled ids, floats and text:
+    ~70 MB per rank through pickle.dumps and pickle.loads (its own share too), 4 collectives (an
+    all_gather_object of every rank's group sizes: 2, then 2 all_to_all). Every generated prompt of a rank
+    went through the image processor (8 per generation batch, kept or not: 16+ when half the groups are kept).
+  * now: per prompt 0.85 MB of image bytes, per sample ~24 KB ((460 + 1,024) int64 ids, 1,024 float64
+    logprobs, ~4 KB of header and text): ~9 MB per rank, nothing large pickled, 3 collectives (one
+    all_reduce of the [generation batches, 512] group-size table, 2 all_to_all_single); the image processor
+    runs on the 8-9 prompts a rank trains on. Measured on 4 and 8 CPU ranks: benchmarks/dapo_rebalance.py.
+The collectives run on the world's device (nccl and hccl take no cpu tensors).
 """
 
 from __future__ import annotations
