@@ -34,3 +34,22 @@ def test_packed_samples_unpack_identical_and_share_what_they_shared():
     assert got[0][1].prompt is not got[4][1].prompt  # same uid, other generation batch: another prompt
     got[0][1].prompt.images[1].putpixel((0, 0), (1, 2, 3))
     assert compare([s for _, s in got], samples) != []
+
+
+def test_pixel_values_after_rebalancing_follow_the_prompt_not_its_uid():
+    """After rebalancing a rank can hold uid 3 of two generation batches: two prompts, two images."""
+    from transformers import Qwen2VLImageProcessor
+
+    from spmd_grpo.rollout import attach_pixel_values
+
+    rng = np.random.default_rng(1)
+    samples = synthetic_group(3, 0, 2, [(56, 28)], rng, pixel_values=False)
+    samples += synthetic_group(3, 1, 2, [(28, 56)], rng, pixel_values=False)
+    processor = Qwen2VLImageProcessor(size={"shortest_edge": 784, "longest_edge": 4 * 784})
+    attach_pixel_values(samples, processor)
+    assert samples[0].pixel_values is samples[1].pixel_values  # once per prompt
+    assert samples[2].pixel_values is samples[3].pixel_values
+    assert samples[0].image_grid_thw.tolist() == [[1, 2, 4]] and samples[2].image_grid_thw.tolist() == [
+        [1, 4, 2]
+    ]
+    assert not torch.equal(samples[0].pixel_values, samples[2].pixel_values)
