@@ -40,6 +40,7 @@ The collectives run on the world's device (nccl and hccl take no cpu tensors).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections.abc import Callable
 
@@ -49,7 +50,7 @@ from PIL import Image
 from .advantage import group_has_spread
 from .config import FilterGroupsConfig
 from .distributed import World, all_reduce_sum, exchange_bytes
-from .metrics import global_stats
+from .metrics import Timer, global_stats
 from .rollout import Prompt, Sample
 
 
@@ -58,12 +59,14 @@ def collect_groups(
     cfg: FilterGroupsConfig,
     rollout_batch_size: int,
     world: World,
+    timer: Timer | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Call `generate_batch(gen_batch)` (one scored generation batch of `rollout_batch_size` prompts) until
     `cfg.train_batch_size` groups with spread are kept; returns the selected, rebalanced samples and metrics.
 
     Metrics: `train/gen_score/*` (the score of everything generated: the kept batch has spread by
-    construction), `train/num_gen_batches`, `train/kept_group_frac`.
+    construction), `train/num_gen_batches`, `train/kept_group_frac`; `timer` times the rebalancing
+    (`timing_s/rebalance`).
     """
     target = cfg.num_train_groups(rollout_batch_size)
     samples: list[Sample] = []
@@ -84,7 +87,8 @@ def collect_groups(
                 f"(algorithm.filter_groups.max_num_gen_batches={cfg.max_num_gen_batches}); raise the limit, "
                 "set it <= 0 for no limit, or check the reward"
             )
-    samples = select_and_rebalance(samples, target, world, num_gen_batches, rollout_batch_size)
+    with timer("rebalance") if timer is not None else contextlib.nullcontext():
+        samples = select_and_rebalance(samples, target, world, num_gen_batches, rollout_batch_size)
     metrics = global_stats("train/gen_score", torch.tensor(generated_scores))
     metrics["train/num_gen_batches"] = float(num_gen_batches)
     metrics["train/kept_group_frac"] = num_kept / max(1, num_gen_batches * rollout_batch_size)

@@ -262,7 +262,8 @@ class Trainer:
         fg = self.cfg.algorithm.filter_groups
         if not fg.enable:
             samples = self._generate_and_score(step, 0, timer)
-            attach_pixel_values(samples, self.processor.image_processor)
+            with timer("pixel_values"):
+                attach_pixel_values(samples, self.processor.image_processor)
             return samples, {}
         # Pixel values only for the kept groups, after rebalancing: the raw images travel instead (8x fewer
         # bytes than float32 pixel values) and dropped groups are never processed.
@@ -271,8 +272,10 @@ class Trainer:
             fg,
             self.cfg.data.rollout_batch_size,
             self.world,
+            timer,
         )
-        attach_pixel_values(samples, self.processor.image_processor)
+        with timer("pixel_values"):
+            attach_pixel_values(samples, self.processor.image_processor)
         return samples, metrics
 
     def _generate_and_score(self, step: int, gen_batch: int, timer: Timer) -> list[Sample]:
