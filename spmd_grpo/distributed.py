@@ -292,31 +292,24 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def exchange_objects(per_destination: list[list], group: dist.ProcessGroup | None = None) -> list[list]:
-    """All-to-all of picklable objects: `per_destination[r]` goes to rank r; returns what each rank sent here.
+def exchange_bytes(send: torch.Tensor, send_sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+    """All-to-all of raw bytes: `send` (uint8, 1-D) holds one segment per rank, `send_sizes[r]` bytes for rank r,
+    in rank order; returns the segment each rank sent here, in rank order (views into one receive buffer).
 
-    Each object travels only to its destination (one all_to_all of sizes, one of bytes), unlike an
-    all_gather_object that would copy every rank's payload (images included) to every rank.
+    Two collectives: an all_to_all of the sizes, then one `all_to_all_single` of the bytes with per-rank
+    split sizes (gloo, nccl and hccl support both). They run on `device`, as nccl/hccl need (gloo: the cpu);
+    the segments come back on the cpu.
     """
-    import pickle
-
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [list(per_destination[0])]
-    world = dist.get_world_size(group)
-    assert len(per_destination) == world, (len(per_destination), world)
-    payloads = [pickle.dumps(objs, protocol=pickle.HIGHEST_PROTOCOL) for objs in per_destination]
-    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long)
-    recv_sizes = torch.empty_like(send_sizes)
-    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    blob = b"".join(payloads)
-    send = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=group)
-    out, offset = [], 0
-    for size in recv_sizes.tolist():
-        out.append(pickle.loads(recv[offset : offset + size].numpy().tobytes()))
-        offset += size
-    return out
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [send]
+    assert len(send_sizes) == dist.get_world_size(), (len(send_sizes), dist.get_world_size())
+    sizes = torch.tensor(send_sizes, dtype=torch.long, device=device)
+    recv_sizes_t = torch.empty_like(sizes)
+    dist.all_to_all_single(recv_sizes_t, sizes)
+    recv_sizes = recv_sizes_t.tolist()
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send.to(device), recv_sizes, send_sizes)
+    return list(recv.cpu().split(recv_sizes))
 
 
 # ------------------------------------------------------------------------------------- stop and exit

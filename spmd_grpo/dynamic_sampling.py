@@ -9,22 +9,49 @@ passes, so:
     are selected (the surplus is dropped, as in DAPO/verl) and their samples are laid out in that order and
     cut into equal contiguous shares, one per rank. A group may then straddle two ranks: the advantage uses
     collectives on `group_index` (0..target-1), so its statistics stay exact.
-  * samples move only to the rank that needs them (`distributed.exchange_objects`).
+  * samples move only to the rank that needs them, as raw bytes (`exchange_samples`).
 Deviation from verl: verl keeps whole groups on the driver and then splits the batch; here the split is
 done by the same global order without a driver.
+
+How samples move. Each destination gets one segment of one uint8 `all_to_all_single`: a small pickled
+header (structure, offsets, strings, per-sample scalars and scores) and then every numeric field as raw
+bytes: token ids (int64), vLLM's logprobs (float64, exactly the Python floats), each prompt's images (PIL
+pixel bytes; mode, size, palette and info in the header) and any tensor (pixel values, grids, features,
+logprobs), each prompt and each shared tensor once per destination, viewed in place on arrival (16-byte
+aligned). The result equals what pickling the samples gave, field by field and bit by bit, with the same
+sharing (a prompt's samples on a rank share one Prompt and one pixel tensor). The trainer attaches pixel
+values only after rebalancing, so only the images travel (float32 pixel values are 8x the image's bytes:
+2 frames x 4 bytes per channel value) and groups that are dropped never reach the image processor.
+
+Arithmetic for 64 ranks, 512 prompts x 8 samples per generation batch, 512 groups kept (4,096 samples, 64
+per rank from 8-9 prompts), geometry3k's ~500 x 500 image made 532 x 532 by min_pixels 512 x 512 (1,444
+patches, 361 image tokens, prompt ~460 tokens), responses of 1,024 tokens on average (2,048 at most):
+  * before (pickled `Sample`s, pixel values attached before filtering): per prompt 6.79 MB of float32 pixel
+    values (1,444 x 1,176 x 4 B) + 0.85 MB of image, per sample ~21 KB of pickled ids, floats and text:
+    ~70 MB per rank through pickle.dumps and pickle.loads (its own share too), 4 collectives (an
+    all_gather_object of every rank's group sizes: 2, then 2 all_to_all). Every generated prompt of a rank
+    went through the image processor (8 per generation batch, kept or not: 16+ when half the groups are kept).
+  * now: per prompt 0.85 MB of image bytes, per sample ~24 KB ((460 + 1,024) int64 ids, 1,024 float64
+    logprobs, ~4 KB of header and text): ~9 MB per rank, nothing large pickled, 3 collectives (one
+    all_reduce of the [generation batches, 512] group-size table, 2 all_to_all_single); the image processor
+    runs on the 8-9 prompts a rank trains on. Measured on 4 and 8 CPU ranks: benchmarks/dapo_rebalance.py.
+The collectives run on the world's device (nccl and hccl take no cpu tensors).
 """
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 from collections.abc import Callable
 
 import torch
+from PIL import Image
 
 from .advantage import group_has_spread
 from .config import FilterGroupsConfig
-from .distributed import World, all_gather_objects, all_reduce_sum, exchange_objects
-from .metrics import global_stats
-from .rollout import Sample
+from .distributed import World, all_reduce_sum, exchange_bytes
+from .metrics import Timer, global_stats
+from .rollout import Prompt, Sample
 
 
 def collect_groups(
@@ -32,12 +59,14 @@ def collect_groups(
     cfg: FilterGroupsConfig,
     rollout_batch_size: int,
     world: World,
+    timer: Timer | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Call `generate_batch(gen_batch)` (one scored generation batch of `rollout_batch_size` prompts) until
     `cfg.train_batch_size` groups with spread are kept; returns the selected, rebalanced samples and metrics.
 
     Metrics: `train/gen_score/*` (the score of everything generated: the kept batch has spread by
-    construction), `train/num_gen_batches`, `train/kept_group_frac`.
+    construction), `train/num_gen_batches`, `train/kept_group_frac`; `timer` times the rebalancing
+    (`timing_s/rebalance`).
     """
     target = cfg.num_train_groups(rollout_batch_size)
     samples: list[Sample] = []
@@ -58,7 +87,8 @@ def collect_groups(
                 f"(algorithm.filter_groups.max_num_gen_batches={cfg.max_num_gen_batches}); raise the limit, "
                 "set it <= 0 for no limit, or check the reward"
             )
-    samples = select_and_rebalance(samples, target, world)
+    with timer("rebalance") if timer is not None else contextlib.nullcontext():
+        samples = select_and_rebalance(samples, target, world, num_gen_batches, rollout_batch_size)
     metrics = global_stats("train/gen_score", torch.tensor(generated_scores))
     metrics["train/num_gen_batches"] = float(num_gen_batches)
     metrics["train/kept_group_frac"] = num_kept / max(1, num_gen_batches * rollout_batch_size)
@@ -83,30 +113,184 @@ def count_groups(samples: list[Sample]) -> int:
     return int(all_reduce_sum(torch.tensor([local], dtype=torch.long)).item())
 
 
-def select_and_rebalance(samples: list[Sample], target: int, world: World) -> list[Sample]:
-    """Keep the first `target` groups in global order; give every rank the same number of samples."""
-    sizes: dict[tuple[int, int], int] = {}
+def select_and_rebalance(
+    samples: list[Sample], target: int, world: World, num_gen_batches: int, num_prompts: int
+) -> list[Sample]:
+    """Keep the first `target` groups in global order (generation batch, prompt uid); give every rank the
+    same number of samples, in that order. `num_prompts` is the uid range of a generation batch.
+
+    The group sizes come from one all_reduce of a [num_gen_batches, num_prompts] table (every group is whole
+    on one rank here); the samples move with `exchange_samples`.
+    """
+    sizes = torch.zeros(num_gen_batches, num_prompts, dtype=torch.long)
     for s in samples:
-        key = (s.gen_batch, s.prompt.uid)
-        sizes[key] = sizes.get(key, 0) + 1
-    everyone = sorted(kv for part in all_gather_objects(sorted(sizes.items())) for kv in part)
-    selected = everyone[:target]
-    total = sum(size for _, size in selected)
+        sizes[s.gen_batch, s.prompt.uid] += 1
+    sizes = all_reduce_sum(sizes.to(world.device)).cpu().flatten()
+    selected = sizes.nonzero().flatten()[:target]  # flat keys gen_batch * num_prompts + uid, in global order
+    counts = sizes[selected]
+    total = int(counts.sum())
     if total % world.world_size:
         raise ValueError(f"{total} selected samples cannot be split evenly over {world.world_size} ranks")
     per_rank = total // world.world_size
-    offset, order = {}, {}
-    position = 0
-    for index, (key, size) in enumerate(selected):
-        offset[key], order[key] = position, index
-        position += size
+    starts = (torch.cumsum(counts, 0) - counts).tolist()
+    order = {key: index for index, key in enumerate(selected.tolist())}
     per_destination: list[list[tuple[int, Sample]]] = [[] for _ in range(world.world_size)]
     for s in sorted(samples, key=lambda s: (s.gen_batch, s.prompt.uid, s.sample_index)):
-        key = (s.gen_batch, s.prompt.uid)
-        if key not in offset:
+        index = order.get(s.gen_batch * num_prompts + s.prompt.uid)
+        if index is None:
             continue  # surplus group: dropped
-        s.group_index = order[key]
-        pos = offset[key] + s.sample_index
+        s.group_index = index
+        pos = starts[index] + s.sample_index
         per_destination[pos // per_rank].append((pos, s))
-    received = [item for part in exchange_objects(per_destination) for item in part]
+    received = exchange_samples(per_destination, world)
     return [s for _, s in sorted(received, key=lambda item: item[0])]
+
+
+# ------------------------------------------------------------------------------- samples as raw bytes
+# How each Sample field travels (tests/unit/test_sample_exchange.py checks that this covers every field).
+LIST_FIELDS = {"prompt_ids": torch.int64, "response_ids": torch.int64, "rollout_logprobs": torch.float64}
+TENSOR_FIELDS = ("pixel_values", "image_grid_thw", "old_logprobs", "ref_logprobs")
+TENSOR_TUPLE_FIELDS = ("image_features",)
+SCALAR_FIELDS = (
+    "sample_index",
+    "response_text",
+    "finish_reason",
+    "gen_batch",
+    "group_index",
+    "scores",
+    "advantage",
+)
+_ALIGN = 16  # every tensor starts at a multiple of this in the receive buffer, so it can be viewed in place
+
+
+class _Packer:
+    """One destination's segment: a small pickled header (structure, strings, scalars) followed by the
+    numeric payload as raw bytes; every tensor is written once however many samples share it."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []  # uint8 views of the sources, copied once into the send buffer
+        self.nbytes = 0
+        self.refs: dict[int, tuple] = {}  # id(source) -> its reference, so shared tensors travel once
+        self.sources: list[torch.Tensor] = []  # held, so that no id is reused while packing
+
+    def tensor(self, t: torch.Tensor) -> tuple:
+        if id(t) not in self.refs:
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            self.refs[id(t)] = (self.nbytes, data.numel(), t.dtype, tuple(t.shape))
+            self.parts.append(data)
+            self.sources.append(t)
+            self.nbytes += -(-data.numel() // _ALIGN) * _ALIGN
+        return self.refs[id(t)]
+
+    def image(self, img: Image.Image) -> tuple:
+        data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
+        return (img.mode, img.size, img.getpalette(), dict(img.info), self.tensor(data))
+
+    def prompt(self, p: Prompt) -> tuple:
+        ids = self.tensor(torch.tensor(p.prompt_token_ids, dtype=torch.int64))
+        return (p.uid, ids, [self.image(img) for img in p.images], p.ground_truth, p.extra)
+
+    def sample(self, s: Sample, prompt_index: int) -> dict:
+        out = {name: getattr(s, name) for name in SCALAR_FIELDS}
+        for name, dtype in LIST_FIELDS.items():
+            out[name] = self.tensor(torch.tensor(getattr(s, name), dtype=dtype))
+        for name in TENSOR_FIELDS:
+            value = getattr(s, name)
+            out[name] = None if value is None else self.tensor(value)
+        for name in TENSOR_TUPLE_FIELDS:
+            value = getattr(s, name)
+            out[name] = None if value is None else tuple(self.tensor(t) for t in value)
+        out["prompt"] = prompt_index
+        return out
+
+
+def _pack(items: list[tuple[int, Sample]]) -> tuple[bytes, _Packer]:
+    packer = _Packer()
+    prompts: dict[int, int] = {}  # id(prompt) -> index: the samples of a prompt share one Prompt there too
+    header_prompts, header_samples = [], []
+    for pos, s in items:
+        if id(s.prompt) not in prompts:
+            prompts[id(s.prompt)] = len(header_prompts)
+            header_prompts.append(packer.prompt(s.prompt))
+        header_samples.append((pos, packer.sample(s, prompts[id(s.prompt)])))
+    return pickle.dumps((header_prompts, header_samples), protocol=pickle.HIGHEST_PROTOCOL), packer
+
+
+def _segment_size(header: bytes, packer: _Packer) -> int:
+    return _data_start(len(header)) + packer.nbytes
+
+
+def _data_start(header_len: int) -> int:
+    return -(-(8 + header_len) // _ALIGN) * _ALIGN
+
+
+def _write_segment(out: torch.Tensor, header: bytes, packer: _Packer) -> None:
+    out[:8].view(torch.int64)[0] = len(header)
+    out[8 : 8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    data = out[_data_start(len(header)) :]
+    for (offset, nbytes, _, _), part in zip(packer.refs.values(), packer.parts, strict=True):
+        data[offset : offset + nbytes] = part
+
+
+def _unpack(segment: torch.Tensor) -> list[tuple[int, Sample]]:
+    header_len = int(segment[:8].view(torch.int64)[0])
+    header_prompts, header_samples = pickle.loads(segment[8 : 8 + header_len].numpy().tobytes())
+    data = segment[_data_start(header_len) :]
+    tensors: dict[int, torch.Tensor] = {}  # offset -> tensor: what was shared on the sender is shared here
+
+    def tensor(ref: tuple) -> torch.Tensor:
+        offset, nbytes, dtype, shape = ref
+        if offset not in tensors:
+            tensors[offset] = data[offset : offset + nbytes].view(dtype).reshape(shape)
+        return tensors[offset]
+
+    def image(ref: tuple) -> Image.Image:
+        mode, size, palette, info, pixels = ref
+        img = Image.frombytes(mode, size, tensor(pixels).numpy())
+        if palette is not None:
+            img.putpalette(palette)
+        img.info.update(info)
+        return img
+
+    prompts = [
+        Prompt(uid, tensor(ids).tolist(), [image(i) for i in images], ground_truth, extra)
+        for uid, ids, images, ground_truth, extra in header_prompts
+    ]
+    out = []
+    for pos, fields in header_samples:
+        kwargs = {name: fields[name] for name in SCALAR_FIELDS}
+        kwargs.update({name: tensor(fields[name]).tolist() for name in LIST_FIELDS})
+        for name in TENSOR_FIELDS:
+            kwargs[name] = None if fields[name] is None else tensor(fields[name])
+        for name in TENSOR_TUPLE_FIELDS:
+            kwargs[name] = None if fields[name] is None else tuple(map(tensor, fields[name]))
+        out.append((pos, Sample(prompt=prompts[fields["prompt"]], **kwargs)))
+    return out
+
+
+def exchange_samples(
+    per_destination: list[list[tuple[int, Sample]]], world: World
+) -> list[tuple[int, Sample]]:
+    """All-to-all of `(position, sample)` items: `per_destination[r]` goes to rank r; returns what this rank
+    received (its own items are kept as they are, not copied).
+
+    Every other destination gets one segment of one uint8 `all_to_all_single` (`distributed.exchange_bytes`):
+    token ids, logprobs, pixel values, grids and images as raw bytes (bitwise exact for every dtype), each
+    prompt's images and each shared tensor once per destination; a small pickled header with the structure,
+    the strings and the scalars. Nothing large is pickled.
+    """
+    if world.world_size == 1:
+        return list(per_destination[0])
+    packed = [
+        None if r == world.rank or not items else _pack(items) for r, items in enumerate(per_destination)
+    ]
+    sizes = [0 if p is None else _segment_size(*p) for p in packed]
+    send = torch.empty(sum(sizes), dtype=torch.uint8)
+    for p, chunk in zip(packed, send.split(sizes), strict=True):
+        if p is not None:
+            _write_segment(chunk, *p)
+    received = list(per_destination[world.rank])
+    for segment in exchange_bytes(send, sizes, world.device):
+        if segment.numel():
+            received += _unpack(segment)
+    return received

@@ -169,12 +169,13 @@ def generate(
 
 
 def attach_pixel_values(samples: list[Sample], image_processor) -> None:
-    """Trainer-side pixel values, computed once per prompt and shared by its n samples."""
+    """Trainer-side pixel values, computed once per prompt and shared by its n samples (keyed by the Prompt
+    object: after DAPO rebalancing one uid can name prompts of several generation batches)."""
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for s in samples:
         if not s.prompt.images:
             continue
-        if s.prompt.uid not in cache:
+        if id(s.prompt) not in cache:
             enc = image_processor(images=s.prompt.images, return_tensors="pt")
-            cache[s.prompt.uid] = (enc["pixel_values"], enc["image_grid_thw"])
-        s.pixel_values, s.image_grid_thw = cache[s.prompt.uid]
+            cache[id(s.prompt)] = (enc["pixel_values"], enc["image_grid_thw"])
+        s.pixel_values, s.image_grid_thw = cache[id(s.prompt)]

@@ -43,6 +43,9 @@ def test_ranks_keeping_different_group_counts_train_in_step(tiny_untied, tmp_pat
         assert r["train/kept_group_frac"] == pytest.approx(0.5)  # 4 kept of 8 generated
         # Both ranks ran the same number of forward/backward passes: 8 samples / 2 ranks / micro 2.
         assert r["train/num_micro_batches_min"] == r["train/num_micro_batches_max"] == 2
+        assert (
+            r["timing_s/rebalance"] > 0 and r["timing_s/pixel_values"] > 0
+        )  # kept samples moved, then processed
         # The trained batch holds only groups with spread: half the samples are accurate. The score also
         # carries the overlong shaping (4-token responses, buffer 2, factor 0.1: -0.1 each).
         assert r["reward/accuracy"] == pytest.approx(0.5)
