@@ -174,20 +174,24 @@ def _qwen2_vl_vision(depth: int, width: int, mlp: int, heads: int, out_hidden: i
     return dict(depth=depth, embed_dim=width, hidden_size=out_hidden, mlp_ratio=mlp // width, num_heads=heads)
 
 
-def _qwen2_5_vl_vision(depth: int, width: int, mlp: int, heads: int, out_hidden: int) -> dict[str, Any]:
-    """Qwen2.5-VL's tower: RMSNorm blocks with window attention (112 pixels), full attention in every 8th block
-    and the last (7/15/23/31 at depth 32)."""
-    full = [i for i in range(depth) if (i + 1) % 8 == 0 or i == depth - 1]
+def _tower(depth: int, width: int, mlp: int, heads: int, out_hidden: int, patch: int) -> dict[str, Any]:
+    """The vision_config fields Qwen2.5-VL and Qwen3-VL name alike."""
     return dict(
         depth=depth,
         hidden_size=width,
         intermediate_size=mlp,
         num_heads=heads,
         out_hidden_size=out_hidden,
-        patch_size=14,
-        window_size=112,
-        fullatt_block_indexes=full,
+        patch_size=patch,
     )
+
+
+def _qwen2_5_vl_vision(depth: int, width: int, mlp: int, heads: int, out_hidden: int) -> dict[str, Any]:
+    """Qwen2.5-VL's tower: RMSNorm blocks with window attention (112 pixels), full attention in every 8th block
+    and the last (7/15/23/31 at depth 32)."""
+    full = [i for i in range(depth) if (i + 1) % 8 == 0 or i == depth - 1]
+    tower = _tower(depth, width, mlp, heads, out_hidden, patch=14)
+    return dict(tower, window_size=112, fullatt_block_indexes=full)
 
 
 def _qwen3_vl_vision(
@@ -195,16 +199,8 @@ def _qwen3_vl_vision(
 ) -> dict[str, Any]:
     """Qwen3-VL's tower: patch 16, learnt position embeddings (a square count), DeepStack mergers after the
     blocks `deepstack`."""
-    return dict(
-        depth=depth,
-        hidden_size=width,
-        intermediate_size=mlp,
-        num_heads=heads,
-        out_hidden_size=out_hidden,
-        patch_size=16,
-        num_position_embeddings=position_embeddings,
-        deepstack_visual_indexes=list(deepstack),
-    )
+    tower = _tower(depth, width, mlp, heads, out_hidden, patch=16)
+    return dict(tower, num_position_embeddings=position_embeddings, deepstack_visual_indexes=list(deepstack))
 
 
 def _qwen2_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie: bool) -> Published:
