@@ -181,6 +181,32 @@ def test_encode_images_once_per_prompt_then_every_pass_reuses_them(tiny):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
 
 
+def test_a_trained_tower_encodes_once_per_forward_only_pass_and_keeps_nothing(tiny):
+    """Trained tower (`encode_once_per_pass`): each `compute_logprobs` pass runs the tower once per prompt
+    with its own weights, gives the encode-every-time logprobs, and leaves no features for the next pass."""
+    processor, policy = tiny
+    mix = LENGTH_MIXES["equal-lengths-same-prompt"] + LENGTH_MIXES["two-images-and-text-only"]
+    spec = UpdateSpec(0.7, processor.tokenizer.pad_token_id, 16, 8, 8, experience_micro_batch_size=2)
+    calls = []
+    hook = policy.hf.model.visual.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append(len(kwargs["grid_thw"])), with_kwargs=True
+    )
+    try:
+        baseline = compute_logprobs(policy, _samples(processor, mix), spec)
+        every_time = list(calls)
+        calls.clear()
+        samples = _samples(processor, mix)
+        once = compute_logprobs(policy, samples, dataclasses.replace(spec, encode_once_per_pass=True))
+    finally:
+        hook.remove()
+    # 7 samples (6 with images, 7 images) in micro-batches of 2 encode 2 + 2 + 2 + 1 images; once per pass:
+    # 4 distinct pixel tensors in chunks of 2 prompts, 2 + 3 images.
+    assert every_time == [2, 2, 2, 1] and calls == [2, 3]
+    assert all(s.image_features is None for s in samples)
+    for a, b in zip(baseline, once, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
 def test_dummy_image_runs_through_the_tower(tiny):
     _, policy = tiny
     with torch.no_grad():
