@@ -10,9 +10,12 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: install test test-fast test-dist test-engine test-gpu smoke-test lint fmt clean
 
+# --compile-bytecode: uv installs no .pyc files, and where PYTHONDONTWRITEBYTECODE is set Python never writes
+# them, so every process (each test session, each torchrun rank) compiled torch, transformers and vLLM from
+# source on import: `make test-fast` took 54 s of CPU without them and 33 s with them.
 $(STAMP): pyproject.toml uv.lock
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
-	$(UV) sync --frozen --extra cpu
+	$(UV) sync --frozen --extra cpu --compile-bytecode
 	@touch $@
 
 install: $(STAMP)
