@@ -3,12 +3,14 @@ the run is still writing it (a partial last line), and clear failures when there
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
 
-from spmd_grpo.report import PANELS, main, read_metrics, series, write_report
+from spmd_grpo.report import PANELS, main, read_metrics, series, summary
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,22 +46,37 @@ def _write_run(run_dir: Path, steps: int, tail: str = "") -> Path:
     return run_dir
 
 
-def test_report_while_the_run_is_still_writing(tmp_path):
-    run = _write_run(tmp_path / "run", 10, tail='{"step": 11, "critic/score/mea')
+SUMMARY = [
+    "10 training steps logged (last step 10)",
+    "reward (critic/score/mean): first 5 steps 0.340 -> last 5 steps 0.740",
+    "val-core/color/acc/mean@1: step 0 0.050 -> step 10 0.900",
+    "response length (last step): 3.0",
+    "KL (last step): 1.00e-02",
+    "entropy (last step): 3.200",
+    "logprob gap trainer vs vLLM: max over steps 1.0e-05",
+    "step time: median 1.55 s, total 16 s",
+]
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory) -> tuple[Path, Path, int, str]:
+    """(run dir, PNG, exit code, stdout) of `main([RUN, --out PNG])` on a 10-step run whose step 11 is still
+    being written. Drawing the eight panels is most of this file's time, so the tests share one report."""
+    root = tmp_path_factory.mktemp("report")
+    run = _write_run(root / "run", 10, tail='{"step": 11, "critic/score/mea')
+    png = root / "elsewhere" / "curves.png"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main([str(run), "--out", str(png)])
+    return run, png, code, stdout.getvalue()
+
+
+def test_report_while_the_run_is_still_writing(reported):
+    run, png, code, _ = reported
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(11))  # the half-written step 11 is left out
-    png, lines = write_report(run)
-    assert png == run / "report.png" and png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 20_000
-    assert lines == [
-        "10 training steps logged (last step 10)",
-        "reward (critic/score/mean): first 5 steps 0.340 -> last 5 steps 0.740",
-        "val-core/color/acc/mean@1: step 0 0.050 -> step 10 0.900",
-        "response length (last step): 3.0",
-        "KL (last step): 1.00e-02",
-        "entropy (last step): 3.200",
-        "logprob gap trainer vs vLLM: max over steps 1.0e-05",
-        "step time: median 1.55 s, total 16 s",
-    ]
+    assert code == 0 and png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 20_000
+    assert summary(rows) == SUMMARY
 
 
 def test_every_panel_has_its_metrics_in_a_trainer_row(tmp_path):
@@ -78,15 +95,10 @@ def test_repeated_steps_keep_the_last_row_and_a_bad_middle_line_is_an_error(tmp_
         read_metrics(run / "metrics.jsonl")
 
 
-def test_cli_prints_the_summary_and_the_plot_path(tmp_path, capsys):
-    run = _write_run(tmp_path / "run", 4)
-    out = tmp_path / "elsewhere" / "curves.png"
-    assert main([str(run), "--out", str(out)]) == 0
-    stdout = capsys.readouterr().out
-    assert stdout.splitlines()[0] == f"run {run}:"
-    assert stdout.splitlines()[-1] == f"plot: {out}"
-    assert "  reward (critic/score/mean): first 5 steps" in stdout
-    assert out.read_bytes()[:8] == PNG_MAGIC
+def test_cli_prints_the_summary_and_the_plot_path(reported):
+    run, png, _, stdout = reported
+    assert stdout.splitlines() == [f"run {run}:", *(f"  {line}" for line in SUMMARY), f"plot: {png}"]
+    assert not (run / "report.png").exists()  # --out replaces the default RUN_DIR/report.png
 
 
 def test_nothing_to_plot_yet(tmp_path, capsys):
