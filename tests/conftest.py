@@ -32,6 +32,14 @@ def tiny_tied() -> Path:
     return tiny_model(tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="session")
+def processor():
+    """The default tiny model's processor, shared: loading one costs more than most unit tests."""
+    import transformers
+
+    return transformers.AutoProcessor.from_pretrained(tiny_model())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,14 +15,6 @@ from PIL import Image
 from spmd_grpo.config import DataConfig
 from spmd_grpo.data import load_dataset
 from spmd_grpo.tools.synthetic_data import color_task_examples, main, synthetic_geo3k_rows, write_parquet
-from tests.conftest import tiny_model
-
-
-@pytest.fixture(scope="module")
-def processor():
-    import transformers
-
-    return transformers.AutoProcessor.from_pretrained(tiny_model())
 
 
 def _png(size=(56, 56), color=(10, 200, 30)) -> bytes:

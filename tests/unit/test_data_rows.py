@@ -35,13 +35,6 @@ from tests.unit.test_data_streaming import split_load
 IMAGES = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
 
 
-@pytest.fixture(scope="module")
-def processor():
-    import transformers
-
-    return transformers.AutoProcessor.from_pretrained(tiny_model())
-
-
 def _encoded(image: Image.Image, fmt: str = "PNG", **save) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format=fmt, **save)
