@@ -89,7 +89,19 @@ class _Batches:
     """Longest sequence: prompt plus response."""
 
 
+_COUNTED: dict[str, _Model] = {}
+"""_count_parameters' results by the config's JSON: a meta build takes about 0.2 s, and a process that plans
+several jobs (the test suite) asks again for the same architectures."""
+
+
 def _count_parameters(hf_config) -> _Model:
+    key = hf_config.to_json_string()
+    if key not in _COUNTED:
+        _COUNTED[key] = _build_and_count(hf_config)
+    return _COUNTED[key]
+
+
+def _build_and_count(hf_config) -> _Model:
     family = family_of(hf_config)
     with torch.device("meta"):
         model = family.model_cls()(hf_config)
