@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -12,6 +13,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("SPMD_GRPO_CACHE", REPO / ".cache"))
+
+# The suite imports torch, transformers and DCP (about 430k objects the cyclic garbage collector tracks). With
+# CPython's default thresholds (700, 10, 10) the collector ran about 2,500 times over the unit tier and rescanned
+# that heap in each full pass: 3.4 s of CPU. Collecting less often, and freezing the heap once collection is
+# done, leaves 1.0 s. Objects the tests create are collected as usual.
+gc.set_threshold(10_000, 10, 10)
+
+
+def pytest_collection_finish(session) -> None:
+    gc.freeze()
 
 
 def tiny_model(tie_word_embeddings: bool = False, **spec_kwargs) -> Path:
