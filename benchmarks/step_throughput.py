@@ -58,7 +58,7 @@ FEATURES: dict[str, list[str]] = {
         "worker.actor.max_token_len_per_device_for_experience=16384",
     ],
     "old_logprobs_from_update": ["worker.actor.old_logprobs_from_update=true"],
-    "padding_free": ["worker.actor.padding_free=true"],
+    "padding_free": ["worker.actor.padding_free=auto"],  # packs only where a varlen kernel exists
     "image_feature_reuse": ["worker.actor.reuse_image_features=true"],
 }
 OFF: dict[str, list[str]] = {
@@ -77,17 +77,21 @@ BASE = [
     "worker.rollout.n=8",
     "worker.actor.micro_batch_size_per_device_for_update=4",
     "worker.actor.micro_batch_size_per_device_for_experience=16",
-    "worker.actor.fsdp.param_dtype=bfloat16",
-    "worker.rollout.dtype=bfloat16",
+    "worker.actor.model.freeze_vision_tower=true",  # in every configuration: image-feature reuse needs it
     "worker.rollout.max_num_batched_tokens=16384",
     "trainer.val_before_train=false",
-    "trainer.val_freq=0",
-    "trainer.save_freq=0",
+    "trainer.val_freq=-1",
+    "trainer.save_freq=-1",
     "trainer.logger=[jsonl]",
     "trainer.resume=none",
 ]
 
 PHASES = ["gen", "update_weights", "reward", "adv", "old_log_prob", "ref", "update_actor"]
+
+
+def dtype_overrides(dtype: str) -> list[str]:
+    """The policy's compute dtype and vLLM's (the update keeps fp32 master weights either way)."""
+    return [f"worker.actor.fsdp.param_dtype={dtype}", f"worker.rollout.dtype={dtype}"]
 
 
 def known_keys() -> set[str]:
@@ -105,7 +109,7 @@ def overrides(name: str, keys: set[str]) -> tuple[list[str], list[str]]:
         chosen = items if on else OFF[feature]
         if all(item.split("=", 1)[0] in keys for item in chosen):
             out += chosen
-            used += [feature] if on else []
+            used += [feature + ("=auto" if chosen[0].endswith("=auto") else "")] if on else []
     if name.endswith("dapo"):
         out += DAPO
     return out, used
@@ -124,7 +128,7 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"),
         f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
         f"trainer.output_dir={work}", f"trainer.experiment_name=bench_{name}",
-        *BASE, *workload, *feature_overrides, *args.set,
+        *BASE, *dtype_overrides(args.dtype), *workload, *feature_overrides, *args.set,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
     print(f"[benchmark] {name}: features on {used or '-'}", file=sys.stderr, flush=True)
@@ -145,9 +149,11 @@ def summarise(rows: list[dict]) -> dict[str, float]:
     out["trainer"] = out["old_log_prob"] + out["ref"] + out["update_actor"]
     out["overhead"] = out["step"] - sum(out[p] for p in PHASES if p != "update_weights")
     out["response_length_mean"] = mean("response_length/mean")
-    out["response_length_max"] = mean("response_length/max")
+    out["response_length_max"] = max(r.get("response_length/max", 0.0) for r in rows)
+    out["response_length_p50"] = mean("response_length/p50")
+    out["response_length_p90"] = mean("response_length/p90")
     out["pg_loss_step1"] = rows[0].get("actor/pg_loss", float("nan"))
-    out["kl_loss_step1"] = rows[0].get("actor/kl_loss", float("nan"))
+    out["kl_loss_step2"] = rows[1].get("actor/kl_loss", float("nan")) if len(rows) > 1 else float("nan")
     return out
 
 
@@ -164,7 +170,7 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
         "step",
     ]
     heads = ["tok/s", "gen", "sync", "old", "ref", "update", "old+ref+upd", "overhead", "step"]
-    print("| config | " + " | ".join(heads) + " | update / fwd | pg_loss (step 1) | kl_loss (step 1) |")
+    print("| config | " + " | ".join(heads) + " | update / fwd | pg_loss (step 1) | kl_loss (step 2) |")
     print("| --- " * (len(heads) + 4) + "|")
     for name, r in results.items():
         fwd = r["old_log_prob"] if r["old_log_prob"] > 0.05 else r["ref"]
@@ -172,8 +178,8 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
         print(
             f"| {name} | "
             + " | ".join(cells)
-            + f" | {r['update_actor'] / fwd:.2f} | {r['pg_loss_step1']:.6f} | "
-            f"{r['kl_loss_step1']:.6f} |"
+            + f" | {r['update_actor'] / fwd:.2f} | {r['pg_loss_step1']:.9g} | "
+            f"{r['kl_loss_step2']:.9g} |"
         )
     names = list(results)
     if "off" in results and "on" in results:
@@ -182,9 +188,115 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
               f"speed-up {off['trainer'] / on['trainer']:.2f}x")  # fmt: skip
     for name in names:
         r = results[name]
-        print(
-            f"{name}: response length mean {r['response_length_mean']:.1f}, max {r['response_length_max']:.0f}"
-        )
+        print(f"{name}: response length mean {r['response_length_mean']:.1f}, p50 {r['response_length_p50']:.0f}, "
+              f"p90 {r['response_length_p90']:.0f}, max {r['response_length_max']:.0f} (per-step quantiles, "
+              f"averaged over the timed steps)")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ --update-ratio mode
+RATIO_WORKLOAD = [  # 16 prompts x 8 samples per step, one mini-batch, old logprobs from a separate pass
+    "data.rollout_batch_size=16",
+    "data.max_response_length=64",
+    "worker.actor.global_batch_size=128",
+    "worker.actor.old_logprobs_from_update=false",
+    "algorithm.use_kl_loss=false",
+]
+
+
+def ratio_samples(processor, prompts: int, n: int, length: int) -> list:
+    """`prompts` colour-task prompts (one 56 x 56 image each) x `n` samples of exactly `length` random
+    response tokens (byte-level ids: never a special token), with random advantages."""
+    import torch
+    from PIL import Image
+
+    from spmd_grpo.rollout import Prompt, Sample
+
+    gen = torch.Generator().manual_seed(0)
+    content = [{"type": "image"}, {"type": "text", "text": "Which color? Answer with a digit."}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    samples = []
+    for p in range(prompts):
+        image = Image.new("RGB", (56, 56), ((60 * p) % 255, 120, 200))
+        enc = processor(text=[text], images=[image], return_tensors="pt")
+        for i in range(n):
+            response = torch.randint(0, 256, (length,), generator=gen).tolist()
+            s = Sample(Prompt(p, [], [image]), i, enc["input_ids"][0].tolist(), response, [0.0] * length)
+            s.pixel_values, s.image_grid_thw = enc["pixel_values"], enc["image_grid_thw"]
+            s.advantage = float(torch.randn((), generator=gen))
+            samples.append(s)
+    return samples
+
+
+def _old_pass(policy, samples, spec) -> None:
+    """The trainer's `timing_s/old_log_prob` phase: encode the images (when reused), forward-only logprobs."""
+    from spmd_grpo.update import compute_logprobs, encode_images
+
+    for s in samples:
+        s.image_features = None
+    encode_images(policy, samples, spec)
+    for s, lp in zip(samples, compute_logprobs(policy, samples, spec), strict=True):
+        s.old_logprobs = lp
+
+
+def _profile(fn, label: str, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(label):
+        fn()
+    print(f"## {label}: top {rows} ops by self CPU time")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+
+
+def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Time the old-logprob forward and the update on the fixed workload, in this process (world of one,
+    gloo, `torch.set_num_threads(2)`); `args.rounds` rounds, the first one a warm-up. Returns the medians."""
+    import time
+
+    import torch
+    from transformers import AutoProcessor
+
+    from spmd_grpo.config import load_config
+    from spmd_grpo.distributed import init_distributed
+    from spmd_grpo.model import build_optimizer, build_policy
+    from spmd_grpo.update import UpdateSpec, update_policy
+
+    torch.set_num_threads(2)
+    overrides = [f"worker.actor.model.model_path={model_dir}", *BASE, *dtype_overrides(args.dtype)]
+    overrides += [*RATIO_WORKLOAD, f"worker.actor.global_batch_size={8 * args.ratio_prompts}", *args.set]
+    cfg = load_config(REPO / "configs" / "smoke.yaml", overrides)
+    world = init_distributed("cpu")
+    torch.manual_seed(0)
+    policy = build_policy(cfg.worker.actor, world)
+    optim = build_optimizer(policy, cfg.worker.actor.optim, total_steps=100)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    spec = UpdateSpec.from_config(cfg, world_size=1, pad_token_id=processor.tokenizer.pad_token_id)
+    samples = ratio_samples(processor, args.ratio_prompts, 8, 64)
+    fwd, upd = [], []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        _old_pass(policy, samples, spec)
+        mid = time.perf_counter()
+        update_policy(policy, optim, samples, spec, world)
+        fwd.append(mid - start)
+        upd.append(time.perf_counter() - mid)
+        print(f"[update-ratio] old {fwd[-1]:.2f} s, update {upd[-1]:.2f} s, ratio {upd[-1] / fwd[-1]:.2f}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if args.profile:
+        _profile(lambda: _old_pass(policy, samples, spec), "old_log_prob", args.profile)
+        _profile(lambda: update_policy(policy, optim, samples, spec, world), "update_actor", args.profile)
+    later = lambda xs: statistics.median(xs[1:] or xs)  # noqa: E731
+    n_params = sum(p.numel() for p in policy.parameters())
+    return {"old_log_prob": later(fwd), "update_actor": later(upd), "params_m": n_params / 1e6}
+
+
+def print_ratio(r: dict[str, float], args: argparse.Namespace) -> None:
+    print(f"update-ratio workload: {r['params_m']:.1f}M parameters, {args.ratio_prompts} prompts x 8 samples x "
+          f"64 response tokens, {args.dtype}, 1 rank, 2 threads; median of rounds 2..{args.rounds}")  # fmt: skip
+    print("| old_log_prob (s) | update_actor (s) | update / fwd |")
+    print("| --- | --- | --- |")
+    print(
+        f"| {r['old_log_prob']:.2f} | {r['update_actor']:.2f} | {r['update_actor'] / r['old_log_prob']:.2f} |"
+    )
 
 
 def main() -> None:
@@ -198,12 +310,27 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override for every run")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="compute dtype of the policy and vLLM (bf16 is emulated, slow, on CPUs without "
+                    "AVX-512 BF16 / AMX: torch.backends.cpu.get_cpu_capability() prints the ISA)")  # fmt: skip
+    ap.add_argument(
+        "--update-ratio", action="store_true", help="time update vs forward on the fixed workload"
+    )
+    ap.add_argument("--ratio-prompts", type=int, default=16, help="--update-ratio: prompts (8 samples each)")
+    ap.add_argument("--rounds", type=int, default=3, help="--update-ratio: rounds (the first is a warm-up)")
+    ap.add_argument("--profile", type=int, default=0, help="--update-ratio: print the top N ops by self CPU")
     args = ap.parse_args()
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
     model_dir = args.model_dir or cached_tiny_model(
         REPO / ".cache" / "bench_tput_model", TinyModelSpec(**MODEL_SPEC)
     )
+    if args.update_ratio:
+        result = update_ratio(model_dir, args)
+        print_ratio(result, args)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+        return
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for name in args.configs.split(","):
