@@ -415,7 +415,10 @@ def mini_batch_backward(
     agg = _global_counts(samples, correction, spec)
     sums: MetricSums = {}
     plan = micro_batches(samples, spec, for_update=True)
-    for rows in plan:
+    local = world.world_size == 1 and hasattr(policy, "set_requires_gradient_sync")
+    for k, rows in enumerate(plan):
+        if local:
+            _accumulate_unsharded(policy, first=k == 0, last=k == len(plan) - 1)
         loss = _micro_batch_loss(
             policy,
             [samples[i] for i in rows] or samples[:1],
@@ -427,8 +430,26 @@ def mini_batch_backward(
             padding=not rows,
         )
         (loss * world.world_size).backward()
+    if local:
+        policy.set_reshard_after_forward(True)
     sums["train/num_micro_batches"] = (float(len(plan)), 0.0)
     return sums
+
+
+def _accumulate_unsharded(policy: nn.Module, *, first: bool, last: bool) -> None:
+    """World of one (the shard is the whole model): gather the parameters once per mini-batch and reduce
+    the gradient once, after its last micro-batch, instead of per micro-batch.
+
+    With FSDP's defaults every micro-batch re-gathers (copies, and casts to param_dtype) the whole model in
+    its forward and again in its backward, and copies its gradient out (cast to reduce_dtype) to add it
+    to the sharded one: pure overhead on one rank. Here the gathered copy stays between micro-batches and
+    FSDP accumulates the unsharded gradient in reduce_dtype (fp32), which it reduces once: the same sum of
+    the same micro-batch gradients. Several ranks keep the per-micro-batch reduction (the unsharded
+    gradient of the whole model would not fit next to the shards on large models)."""
+    if first:
+        policy.set_reshard_after_forward(False)
+    policy.set_requires_gradient_sync(last)
+    policy.set_reshard_after_backward(last)
 
 
 def _optimizer_step(policy: nn.Module, optim, spec: UpdateSpec) -> tuple[float, float]:
