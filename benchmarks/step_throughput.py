@@ -1,27 +1,39 @@
 """Step throughput of the trainer with the throughput features off and on: tokens/s and the time of each phase.
 
-    python benchmarks/step_throughput.py [--steps 4] [--prompts 16] [--max-response-length 256]
-        [--configs off,on,on-dapo] [--out result.json] [--set KEY=VALUE ...]
+    python benchmarks/step_throughput.py [--steps 2] [--prompts 16] [--max-response-length 256]
+        [--dtype bfloat16|float32] [--configs off,on,on-dapo] [--out result.json] [--set KEY=VALUE ...]
+    python benchmarks/step_throughput.py --update-ratio [--dtype ...] [--ratio-prompts 16] [--rounds 3]
+        [--profile N]
 
-Each configuration is a real run of `python -m spmd_grpo.train` (torchrun, 1 rank, CPU, 2 threads, bf16
-policy and vLLM, in-process engine) on a generated ~29M-parameter Qwen2.5-VL (hidden 512, 8 layers; built
-once into .cache/bench_tput_model, no download) and the built-in colour task: 16 prompts x 8 samples per
-step (`--prompts`), one mini-batch per step. The workload is meant to be long-tailed: the random policy samples
-nearly uniformly from a small vocabulary (`vocab_merges=10`) in which 2 tokens stop, so response lengths
-should be roughly geometric (stop probability about 2 / vocabulary size per token) cut at
-`--max-response-length`; the table's footer prints the measured mean and max lengths. A fixed-count
-micro-batch is padded to its longest response.
+Each configuration is a real run of `python -m spmd_grpo.train` (torchrun, 1 rank, CPU, 2 threads, policy and
+vLLM in `--dtype`, in-process engine) on a generated ~29M-parameter Qwen2.5-VL (hidden 512, 8 layers; built
+once into .cache/bench_tput_model, no download) and the built-in colour task: `--prompts` prompts x 8
+samples per step, one mini-batch per step, the vision tower frozen in every configuration (image-feature
+reuse needs it; freezing is a training choice, not a throughput feature). The response lengths are set by
+the workload: the random policy samples nearly uniformly from a small vocabulary (`vocab_merges=10`) in which
+2 tokens stop, so lengths are roughly geometric, cut at `--max-response-length`; the footer prints the
+measured mean, p50, p90 and max (`response_length/*` of the run). A fixed-count micro-batch is padded to its
+longest sequence; token-budget micro-batches are balanced by tokens.
+
+bf16 is the fast path only on CPUs with AVX-512 BF16 / AMX (`torch.backends.cpu.get_cpu_capability()`); on
+an AVX2-only CPU torch emulates it and a bf16 matmul is about 5x slower than fp32, so use `--dtype float32`
+there to keep a run within minutes.
 
 Printed per configuration (mean over the steps after the first, which warms vLLM and the allocator):
 tokens/s (`perf/throughput`), gen (includes the weight sync), sync (`timing_s/update_weights`), old, ref,
 update, the trainer phases (old + ref + update), the loop overhead (step minus every timed phase), and the
 update's cost against one forward-only pass over the same samples (`update / fwd`: fwd is `old` where
-the separate pass runs, else `ref`, the same forward on the same samples in the same dtype). pg_loss and
-kl_loss of the first step show that the features leave the losses unchanged (same seeds, same samples).
+the separate pass runs, else `ref`, the same forward on the same samples in the same dtype). pg_loss of the
+first step (same seeds, same samples: equal up to rounding) and kl_loss of the second (the first is 0: the
+reference is the initial policy) show that the features leave the losses unchanged.
+
+`--update-ratio` times, in this process (world of one, gloo, 2 threads), the trainer's old-logprob pass
+(image encoding + forward-only logprobs) and `update_policy` on a fixed workload: `--ratio-prompts` colour
+prompts x 8 samples of exactly 64 random response tokens, one mini-batch, the separate old-logprob pass;
+it prints update / forward-only; `--profile N` prints the top N ops by self CPU time of one more of each.
 
 The features are a table (FEATURES below): each is a list of config overrides, applied only when the
-config has the key (features another change adds, e.g. padding-free packing, are skipped until then).
-`--set` adds overrides to every configuration.
+config has the key. `--set` adds overrides to every configuration.
 """
 
 from __future__ import annotations
@@ -52,10 +64,10 @@ MODEL_SPEC = dict(
 
 # feature name -> overrides turning it on (the "off" run leaves every key at its "off" value below).
 FEATURES: dict[str, list[str]] = {
-    "dynamic_batching": [
+    "dynamic_batching": [  # the budgets of 4 and 16 full-length sequences, as the fixed counts
         "worker.actor.dynamic_batching=true",
-        "worker.actor.max_token_len_per_device_for_update=8192",
-        "worker.actor.max_token_len_per_device_for_experience=16384",
+        "worker.actor.max_token_len_per_device_for_update={update_budget}",
+        "worker.actor.max_token_len_per_device_for_experience={experience_budget}",
     ],
     "old_logprobs_from_update": ["worker.actor.old_logprobs_from_update=true"],
     "padding_free": ["worker.actor.padding_free=auto"],  # packs only where a varlen kernel exists
@@ -118,6 +130,9 @@ def overrides(name: str, keys: set[str]) -> tuple[list[str], list[str]]:
 def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     keys = known_keys()
     feature_overrides, used = overrides(name, keys)
+    seq = 128 + args.max_response_length  # the smoke config's max_prompt_length + the response
+    budgets = dict(update_budget=4 * seq, experience_budget=16 * seq)
+    feature_overrides = [item.format(**budgets) for item in feature_overrides]
     workload = [
         f"data.max_response_length={args.max_response_length}",
         f"data.rollout_batch_size={args.prompts}",
@@ -181,6 +196,7 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
             + f" | {r['update_actor'] / fwd:.2f} | {r['pg_loss_step1']:.9g} | "
             f"{r['kl_loss_step2']:.9g} |"
         )
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     names = list(results)
     if "off" in results and "on" in results:
         off, on = results["off"], results["on"]
@@ -271,37 +287,46 @@ def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     processor = AutoProcessor.from_pretrained(model_dir)
     spec = UpdateSpec.from_config(cfg, world_size=1, pad_token_id=processor.tokenizer.pad_token_id)
     samples = ratio_samples(processor, args.ratio_prompts, 8, 64)
-    fwd, upd = [], []
+    fwd, upd, fwd_cpu, upd_cpu = [], [], [], []
     for _ in range(args.rounds):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         _old_pass(policy, samples, spec)
-        mid = time.perf_counter()
+        mid, mid_cpu = time.perf_counter(), time.process_time()
         update_policy(policy, optim, samples, spec, world)
         fwd.append(mid - start)
         upd.append(time.perf_counter() - mid)
-        print(f"[update-ratio] old {fwd[-1]:.2f} s, update {upd[-1]:.2f} s, ratio {upd[-1] / fwd[-1]:.2f}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        fwd_cpu.append(mid_cpu - start_cpu)
+        upd_cpu.append(time.process_time() - mid_cpu)
+        print(f"[update-ratio] old {fwd[-1]:.2f} s, update {upd[-1]:.2f} s, ratio {upd[-1] / fwd[-1]:.2f}; "
+              f"CPU time ratio {upd_cpu[-1] / fwd_cpu[-1]:.2f}", file=sys.stderr, flush=True)  # fmt: skip
     if args.profile:
         _profile(lambda: _old_pass(policy, samples, spec), "old_log_prob", args.profile)
         _profile(lambda: update_policy(policy, optim, samples, spec, world), "update_actor", args.profile)
     later = lambda xs: statistics.median(xs[1:] or xs)  # noqa: E731
     n_params = sum(p.numel() for p in policy.parameters())
-    return {"old_log_prob": later(fwd), "update_actor": later(upd), "params_m": n_params / 1e6}
+    return {
+        "old_log_prob": later(fwd),
+        "update_actor": later(upd),
+        "old_log_prob_cpu": later(fwd_cpu),
+        "update_actor_cpu": later(upd_cpu),
+        "params_m": n_params / 1e6,
+    }
 
 
 def print_ratio(r: dict[str, float], args: argparse.Namespace) -> None:
     print(f"update-ratio workload: {r['params_m']:.1f}M parameters, {args.ratio_prompts} prompts x 8 samples x "
           f"64 response tokens, {args.dtype}, 1 rank, 2 threads; median of rounds 2..{args.rounds}")  # fmt: skip
-    print("| old_log_prob (s) | update_actor (s) | update / fwd |")
-    print("| --- | --- | --- |")
-    print(
-        f"| {r['old_log_prob']:.2f} | {r['update_actor']:.2f} | {r['update_actor'] / r['old_log_prob']:.2f} |"
-    )
+    print("| | old_log_prob (s) | update_actor (s) | update / fwd |")
+    print("| --- | --- | --- | --- |")
+    for label, suffix in [("wall", ""), ("process CPU", "_cpu")]:
+        old, upd = r["old_log_prob" + suffix], r["update_actor" + suffix]
+        print(f"| {label} | {old:.2f} | {upd:.2f} | {upd / old:.2f} |")
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (8 samples each)")
     ap.add_argument("--max-response-length", type=int, default=256)
     ap.add_argument(
