@@ -1,27 +1,39 @@
 """Step throughput of the trainer with the throughput features off and on: tokens/s and the time of each phase.
 
-    python benchmarks/step_throughput.py [--steps 4] [--prompts 16] [--max-response-length 256]
-        [--configs off,on,on-dapo] [--out result.json] [--set KEY=VALUE ...]
+    python benchmarks/step_throughput.py [--steps 2] [--prompts 16] [--max-response-length 256]
+        [--dtype bfloat16|float32] [--configs off,on,on-dapo] [--out result.json] [--set KEY=VALUE ...]
+    python benchmarks/step_throughput.py --update-ratio [--dtype ...] [--ratio-prompts 16] [--rounds 3]
+        [--profile N]
 
-Each configuration is a real run of `python -m spmd_grpo.train` (torchrun, 1 rank, CPU, 2 threads, bf16
-policy and vLLM, in-process engine) on a generated ~29M-parameter Qwen2.5-VL (hidden 512, 8 layers; built
-once into .cache/bench_tput_model, no download) and the built-in colour task: 16 prompts x 8 samples per
-step (`--prompts`), one mini-batch per step. The workload is meant to be long-tailed: the random policy samples
-nearly uniformly from a small vocabulary (`vocab_merges=10`) in which 2 tokens stop, so response lengths
-should be roughly geometric (stop probability about 2 / vocabulary size per token) cut at
-`--max-response-length`; the table's footer prints the measured mean and max lengths. A fixed-count
-micro-batch is padded to its longest response.
+Each configuration is a real run of `python -m spmd_grpo.train` (torchrun, 1 rank, CPU, 2 threads, policy and
+vLLM in `--dtype`, in-process engine) on a generated ~29M-parameter Qwen2.5-VL (hidden 512, 8 layers; built
+once into .cache/bench_tput_model, no download) and the built-in colour task: `--prompts` prompts x 8
+samples per step, one mini-batch per step, the vision tower frozen in every configuration (image-feature
+reuse needs it; freezing is a training choice, not a throughput feature). The response lengths are set by
+the workload: the random policy samples nearly uniformly from a small vocabulary (`vocab_merges=10`) in which
+2 tokens stop, so lengths are roughly geometric, cut at `--max-response-length`; the footer prints the
+measured mean, p50, p90 and max (`response_length/*` of the run). A fixed-count micro-batch is padded to its
+longest sequence; token-budget micro-batches are balanced by tokens.
+
+bf16 is the fast path only on CPUs with AVX-512 BF16 / AMX (`torch.backends.cpu.get_cpu_capability()`); on
+an AVX2-only CPU torch emulates it and a bf16 matmul is about 5x slower than fp32, so use `--dtype float32`
+there to keep a run within minutes.
 
 Printed per configuration (mean over the steps after the first, which warms vLLM and the allocator):
 tokens/s (`perf/throughput`), gen (includes the weight sync), sync (`timing_s/update_weights`), old, ref,
 update, the trainer phases (old + ref + update), the loop overhead (step minus every timed phase), and the
 update's cost against one forward-only pass over the same samples (`update / fwd`: fwd is `old` where
-the separate pass runs, else `ref`, the same forward on the same samples in the same dtype). pg_loss and
-kl_loss of the first step show that the features leave the losses unchanged (same seeds, same samples).
+the separate pass runs, else `ref`, the same forward on the same samples in the same dtype). pg_loss of the
+first step (same seeds, same samples: equal up to rounding) and kl_loss of the second (the first is 0: the
+reference is the initial policy) show that the features leave the losses unchanged.
+
+`--update-ratio` times, in this process (world of one, gloo, 2 threads), the trainer's old-logprob pass
+(image encoding + forward-only logprobs) and `update_policy` on a fixed workload: `--ratio-prompts` colour
+prompts x 8 samples of exactly 64 random response tokens, one mini-batch, the separate old-logprob pass;
+it prints update / forward-only; `--profile N` prints the top N ops by self CPU time of one more of each.
 
 The features are a table (FEATURES below): each is a list of config overrides, applied only when the
-config has the key (features another change adds, e.g. padding-free packing, are skipped until then).
-`--set` adds overrides to every configuration.
+config has the key. `--set` adds overrides to every configuration.
 """
 
 from __future__ import annotations
@@ -52,13 +64,13 @@ MODEL_SPEC = dict(
 
 # feature name -> overrides turning it on (the "off" run leaves every key at its "off" value below).
 FEATURES: dict[str, list[str]] = {
-    "dynamic_batching": [
+    "dynamic_batching": [  # the budgets of 4 and 16 full-length sequences, as the fixed counts
         "worker.actor.dynamic_batching=true",
-        "worker.actor.max_token_len_per_device_for_update=8192",
-        "worker.actor.max_token_len_per_device_for_experience=16384",
+        "worker.actor.max_token_len_per_device_for_update={update_budget}",
+        "worker.actor.max_token_len_per_device_for_experience={experience_budget}",
     ],
     "old_logprobs_from_update": ["worker.actor.old_logprobs_from_update=true"],
-    "padding_free": ["worker.actor.padding_free=true"],
+    "padding_free": ["worker.actor.padding_free=auto"],  # packs only where a varlen kernel exists
     "image_feature_reuse": ["worker.actor.reuse_image_features=true"],
 }
 OFF: dict[str, list[str]] = {
@@ -77,17 +89,21 @@ BASE = [
     "worker.rollout.n=8",
     "worker.actor.micro_batch_size_per_device_for_update=4",
     "worker.actor.micro_batch_size_per_device_for_experience=16",
-    "worker.actor.fsdp.param_dtype=bfloat16",
-    "worker.rollout.dtype=bfloat16",
+    "worker.actor.model.freeze_vision_tower=true",  # in every configuration: image-feature reuse needs it
     "worker.rollout.max_num_batched_tokens=16384",
     "trainer.val_before_train=false",
-    "trainer.val_freq=0",
-    "trainer.save_freq=0",
+    "trainer.val_freq=-1",
+    "trainer.save_freq=-1",
     "trainer.logger=[jsonl]",
     "trainer.resume=none",
 ]
 
 PHASES = ["gen", "update_weights", "reward", "adv", "old_log_prob", "ref", "update_actor"]
+
+
+def dtype_overrides(dtype: str) -> list[str]:
+    """The policy's compute dtype and vLLM's (the update keeps fp32 master weights either way)."""
+    return [f"worker.actor.fsdp.param_dtype={dtype}", f"worker.rollout.dtype={dtype}"]
 
 
 def known_keys() -> set[str]:
@@ -105,7 +121,7 @@ def overrides(name: str, keys: set[str]) -> tuple[list[str], list[str]]:
         chosen = items if on else OFF[feature]
         if all(item.split("=", 1)[0] in keys for item in chosen):
             out += chosen
-            used += [feature] if on else []
+            used += [feature + ("=auto" if chosen[0].endswith("=auto") else "")] if on else []
     if name.endswith("dapo"):
         out += DAPO
     return out, used
@@ -114,6 +130,9 @@ def overrides(name: str, keys: set[str]) -> tuple[list[str], list[str]]:
 def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> list[dict]:
     keys = known_keys()
     feature_overrides, used = overrides(name, keys)
+    seq = 128 + args.max_response_length  # the smoke config's max_prompt_length + the response
+    budgets = dict(update_budget=4 * seq, experience_budget=16 * seq)
+    feature_overrides = [item.format(**budgets) for item in feature_overrides]
     workload = [
         f"data.max_response_length={args.max_response_length}",
         f"data.rollout_batch_size={args.prompts}",
@@ -124,7 +143,7 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"),
         f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
         f"trainer.output_dir={work}", f"trainer.experiment_name=bench_{name}",
-        *BASE, *workload, *feature_overrides, *args.set,
+        *BASE, *dtype_overrides(args.dtype), *workload, *feature_overrides, *args.set,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
     print(f"[benchmark] {name}: features on {used or '-'}", file=sys.stderr, flush=True)
@@ -145,9 +164,11 @@ def summarise(rows: list[dict]) -> dict[str, float]:
     out["trainer"] = out["old_log_prob"] + out["ref"] + out["update_actor"]
     out["overhead"] = out["step"] - sum(out[p] for p in PHASES if p != "update_weights")
     out["response_length_mean"] = mean("response_length/mean")
-    out["response_length_max"] = mean("response_length/max")
+    out["response_length_max"] = max(r.get("response_length/max", 0.0) for r in rows)
+    out["response_length_p50"] = mean("response_length/p50")
+    out["response_length_p90"] = mean("response_length/p90")
     out["pg_loss_step1"] = rows[0].get("actor/pg_loss", float("nan"))
-    out["kl_loss_step1"] = rows[0].get("actor/kl_loss", float("nan"))
+    out["kl_loss_step2"] = rows[1].get("actor/kl_loss", float("nan")) if len(rows) > 1 else float("nan")
     return out
 
 
@@ -164,7 +185,7 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
         "step",
     ]
     heads = ["tok/s", "gen", "sync", "old", "ref", "update", "old+ref+upd", "overhead", "step"]
-    print("| config | " + " | ".join(heads) + " | update / fwd | pg_loss (step 1) | kl_loss (step 1) |")
+    print("| config | " + " | ".join(heads) + " | update / fwd | pg_loss (step 1) | kl_loss (step 2) |")
     print("| --- " * (len(heads) + 4) + "|")
     for name, r in results.items():
         fwd = r["old_log_prob"] if r["old_log_prob"] > 0.05 else r["ref"]
@@ -172,9 +193,10 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
         print(
             f"| {name} | "
             + " | ".join(cells)
-            + f" | {r['update_actor'] / fwd:.2f} | {r['pg_loss_step1']:.6f} | "
-            f"{r['kl_loss_step1']:.6f} |"
+            + f" | {r['update_actor'] / fwd:.2f} | {r['pg_loss_step1']:.9g} | "
+            f"{r['kl_loss_step2']:.9g} |"
         )
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     names = list(results)
     if "off" in results and "on" in results:
         off, on = results["off"], results["on"]
@@ -182,14 +204,129 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
               f"speed-up {off['trainer'] / on['trainer']:.2f}x")  # fmt: skip
     for name in names:
         r = results[name]
-        print(
-            f"{name}: response length mean {r['response_length_mean']:.1f}, max {r['response_length_max']:.0f}"
-        )
+        print(f"{name}: response length mean {r['response_length_mean']:.1f}, p50 {r['response_length_p50']:.0f}, "
+              f"p90 {r['response_length_p90']:.0f}, max {r['response_length_max']:.0f} (per-step quantiles, "
+              f"averaged over the timed steps)")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ --update-ratio mode
+RATIO_WORKLOAD = [  # 16 prompts x 8 samples per step, one mini-batch, old logprobs from a separate pass
+    "data.rollout_batch_size=16",
+    "data.max_response_length=64",
+    "worker.actor.global_batch_size=128",
+    "worker.actor.old_logprobs_from_update=false",
+    "algorithm.use_kl_loss=false",
+]
+
+
+def ratio_samples(processor, prompts: int, n: int, length: int) -> list:
+    """`prompts` colour-task prompts (one 56 x 56 image each) x `n` samples of exactly `length` random
+    response tokens (byte-level ids: never a special token), with random advantages."""
+    import torch
+    from PIL import Image
+
+    from spmd_grpo.rollout import Prompt, Sample
+
+    gen = torch.Generator().manual_seed(0)
+    content = [{"type": "image"}, {"type": "text", "text": "Which color? Answer with a digit."}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    samples = []
+    for p in range(prompts):
+        image = Image.new("RGB", (56, 56), ((60 * p) % 255, 120, 200))
+        enc = processor(text=[text], images=[image], return_tensors="pt")
+        for i in range(n):
+            response = torch.randint(0, 256, (length,), generator=gen).tolist()
+            s = Sample(Prompt(p, [], [image]), i, enc["input_ids"][0].tolist(), response, [0.0] * length)
+            s.pixel_values, s.image_grid_thw = enc["pixel_values"], enc["image_grid_thw"]
+            s.advantage = float(torch.randn((), generator=gen))
+            samples.append(s)
+    return samples
+
+
+def _old_pass(policy, samples, spec) -> None:
+    """The trainer's `timing_s/old_log_prob` phase: encode the images (when reused), forward-only logprobs."""
+    from spmd_grpo.update import compute_logprobs, encode_images
+
+    for s in samples:
+        s.image_features = None
+    encode_images(policy, samples, spec)
+    for s, lp in zip(samples, compute_logprobs(policy, samples, spec), strict=True):
+        s.old_logprobs = lp
+
+
+def _profile(fn, label: str, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(label):
+        fn()
+    print(f"## {label}: top {rows} ops by self CPU time")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+
+
+def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Time the old-logprob forward and the update on the fixed workload, in this process (world of one,
+    gloo, `torch.set_num_threads(2)`); `args.rounds` rounds, the first one a warm-up. Returns the medians."""
+    import time
+
+    import torch
+    from transformers import AutoProcessor
+
+    from spmd_grpo.config import load_config
+    from spmd_grpo.distributed import init_distributed
+    from spmd_grpo.model import build_optimizer, build_policy
+    from spmd_grpo.update import UpdateSpec, update_policy
+
+    torch.set_num_threads(2)
+    overrides = [f"worker.actor.model.model_path={model_dir}", *BASE, *dtype_overrides(args.dtype)]
+    overrides += [*RATIO_WORKLOAD, f"worker.actor.global_batch_size={8 * args.ratio_prompts}", *args.set]
+    cfg = load_config(REPO / "configs" / "smoke.yaml", overrides)
+    world = init_distributed("cpu")
+    torch.manual_seed(0)
+    policy = build_policy(cfg.worker.actor, world)
+    optim = build_optimizer(policy, cfg.worker.actor.optim, total_steps=100)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    spec = UpdateSpec.from_config(cfg, world_size=1, pad_token_id=processor.tokenizer.pad_token_id)
+    samples = ratio_samples(processor, args.ratio_prompts, 8, 64)
+    fwd, upd, fwd_cpu, upd_cpu = [], [], [], []
+    for _ in range(args.rounds):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        _old_pass(policy, samples, spec)
+        mid, mid_cpu = time.perf_counter(), time.process_time()
+        update_policy(policy, optim, samples, spec, world)
+        fwd.append(mid - start)
+        upd.append(time.perf_counter() - mid)
+        fwd_cpu.append(mid_cpu - start_cpu)
+        upd_cpu.append(time.process_time() - mid_cpu)
+        print(f"[update-ratio] old {fwd[-1]:.2f} s, update {upd[-1]:.2f} s, ratio {upd[-1] / fwd[-1]:.2f}; "
+              f"CPU time ratio {upd_cpu[-1] / fwd_cpu[-1]:.2f}", file=sys.stderr, flush=True)  # fmt: skip
+    if args.profile:
+        _profile(lambda: _old_pass(policy, samples, spec), "old_log_prob", args.profile)
+        _profile(lambda: update_policy(policy, optim, samples, spec, world), "update_actor", args.profile)
+    later = lambda xs: statistics.median(xs[1:] or xs)  # noqa: E731
+    n_params = sum(p.numel() for p in policy.parameters())
+    return {
+        "old_log_prob": later(fwd),
+        "update_actor": later(upd),
+        "old_log_prob_cpu": later(fwd_cpu),
+        "update_actor_cpu": later(upd_cpu),
+        "params_m": n_params / 1e6,
+    }
+
+
+def print_ratio(r: dict[str, float], args: argparse.Namespace) -> None:
+    print(f"update-ratio workload: {r['params_m']:.1f}M parameters, {args.ratio_prompts} prompts x 8 samples x "
+          f"64 response tokens, {args.dtype}, 1 rank, 2 threads; median of rounds 2..{args.rounds}")  # fmt: skip
+    print("| | old_log_prob (s) | update_actor (s) | update / fwd |")
+    print("| --- | --- | --- | --- |")
+    for label, suffix in [("wall", ""), ("process CPU", "_cpu")]:
+        old, upd = r["old_log_prob" + suffix], r["update_actor" + suffix]
+        print(f"| {label} | {old:.2f} | {upd:.2f} | {upd / old:.2f} |")
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (8 samples each)")
     ap.add_argument("--max-response-length", type=int, default=256)
     ap.add_argument(
@@ -198,12 +335,27 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override for every run")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="compute dtype of the policy and vLLM (bf16 is emulated, slow, on CPUs without "
+                    "AVX-512 BF16 / AMX: torch.backends.cpu.get_cpu_capability() prints the ISA)")  # fmt: skip
+    ap.add_argument(
+        "--update-ratio", action="store_true", help="time update vs forward on the fixed workload"
+    )
+    ap.add_argument("--ratio-prompts", type=int, default=16, help="--update-ratio: prompts (8 samples each)")
+    ap.add_argument("--rounds", type=int, default=3, help="--update-ratio: rounds (the first is a warm-up)")
+    ap.add_argument("--profile", type=int, default=0, help="--update-ratio: print the top N ops by self CPU")
     args = ap.parse_args()
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
     model_dir = args.model_dir or cached_tiny_model(
         REPO / ".cache" / "bench_tput_model", TinyModelSpec(**MODEL_SPEC)
     )
+    if args.update_ratio:
+        result = update_ratio(model_dir, args)
+        print_ratio(result, args)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+        return
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for name in args.configs.split(","):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .distributed import (
+    all_gather_objects,
     all_reduce_max,
     all_reduce_min,
     all_reduce_sum,
@@ -129,6 +130,7 @@ def sample_metrics(samples: list[Sample], max_response_length: int) -> dict[str,
     response_lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
     prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float64)
     m.update(global_stats("response_length", response_lengths))
+    m.update(length_quantiles(response_lengths))
     m.update(global_stats("prompt_length", prompt_lengths))
     clipped = sum(len(s.response_ids) >= max_response_length for s in samples)
     diffs = [
@@ -146,6 +148,18 @@ def sample_metrics(samples: list[Sample], max_response_length: int) -> dict[str,
     local_tokens = float(response_lengths.sum() + prompt_lengths.sum())
     m["perf/total_num_tokens"] = float(all_reduce_sum(torch.tensor([local_tokens], dtype=torch.float64)))
     return m
+
+
+def length_quantiles(lengths: torch.Tensor) -> dict[str, float]:
+    """`response_length/p50|p90` over every rank's samples (all-gathered: one number per sample), to show
+    how long-tailed the lengths are; 0 when no rank has a sample."""
+    everything = [x for part in all_gather_objects(lengths.tolist()) for x in part]
+    if not everything:
+        return {"response_length/p50": 0.0, "response_length/p90": 0.0}
+    q = torch.quantile(
+        torch.tensor(everything, dtype=torch.float64), torch.tensor([0.5, 0.9], dtype=torch.float64)
+    )
+    return {"response_length/p50": float(q[0]), "response_length/p90": float(q[1])}
 
 
 def perf_metrics(m: dict[str, float], device_type: str, world_size: int) -> dict[str, float]:

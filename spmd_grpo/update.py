@@ -24,8 +24,16 @@ Karmarkar-Karp's largest differencing method (verl's `rearrange_micro_batches` w
 and parts are kept in the order of their first sample instead of verl's workload-sorted order). A rank with
 fewer non-empty parts than k runs the missing ones as padding: a forward/backward of one of its own samples
 with zero loss weight, so every rank runs the same number of FSDP forward/backward calls (verl instead
-requires k <= number of samples and asserts that no part is empty). The losses keep their global
+requires k <= number of samples and asserts that no part is empty). That balance is right for packed
+(padding-free) micro-batches, whose cost follows their token sum; a right-padded micro-batch costs
+(count x longest), and balanced parts would each hold a long sample and pad every part to it, so without
+packing the k parts are runs of the length-sorted samples instead (`length_sorted_partitions`, minimising
+the largest padded part; a deviation from verl, which always packs). The losses keep their global
 normalisation, so the gradient does not depend on the partition.
+
+One rank (`_accumulate_unsharded`): the parameters are gathered once per mini-batch and the gradient
+reduced once, after its last micro-batch, instead of FSDP's re-gather in every micro-batch's forward and
+backward and a reduction per micro-batch (the same sum of the same micro-batch gradients).
 
 Old logprobs from the update's forward (`worker.actor.old_logprobs_from_update`, as TRL does): when the step
 is exactly on-policy (one mini-batch per step, one epoch, no rejection sampling, which needs the old
@@ -159,10 +167,15 @@ def collate_samples(
     ).to(device)
 
 
+def _packs(model: nn.Module) -> bool:
+    """Whether `model` takes packed (padding-free) micro-batches (its attention has a varlen path)."""
+    return bool(getattr(model, "padding_free", False))
+
+
 def _collate_for(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> SequenceBatch:
     """`samples` in the layout `model` was built for (packed when its attention has a varlen path)."""
     device = next(model.parameters()).device
-    return collate_samples(samples, spec.pad_token_id, device, packed=getattr(model, "padding_free", False))
+    return collate_samples(samples, spec.pad_token_id, device, packed=_packs(model))
 
 
 def _pad(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
@@ -197,9 +210,39 @@ def balanced_partitions(lengths: list[int], k: int) -> list[list[int]]:
     return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
 
 
-def micro_batches(samples: list[Sample], spec: UpdateSpec, *, for_update: bool) -> list[list[int]]:
+def length_sorted_partitions(lengths: list[int], k: int) -> list[list[int]]:
+    """Indices of `lengths` in `k` parts of similar lengths, for right-padded micro-batches, whose cost is
+    (count x longest): the lengths sorted and cut into `k` runs (non-empty while there are samples) that
+    minimise the largest padded cost (dynamic programming over the cut points, O(k n^2)). Balanced token
+    sums would instead put a long sample in every part and pad all of them to it. Parts come back with
+    sorted indices, in the order of their first index; empty ones last."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    a, n, k_used = [lengths[i] for i in order], len(lengths), min(k, len(lengths))
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k_used + 1)]  # best[g][j]: first j sorted items in g runs
+    cut = [[0] * (n + 1) for _ in range(k_used + 1)]
+    best[0][0] = 0
+    for g in range(1, k_used + 1):
+        for j in range(g, n + 1):
+            for i in range(g - 1, j):
+                cost = max(best[g - 1][i], (j - i) * a[j - 1])
+                if cost < best[g][j]:
+                    best[g][j], cut[g][j] = cost, i
+    parts, j = [], n
+    for g in range(k_used, 0, -1):
+        parts.append(sorted(order[cut[g][j] : j]))
+        j = cut[g][j]
+    parts += [[] for _ in range(k - k_used)]
+    return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
+
+
+def micro_batches(
+    samples: list[Sample], spec: UpdateSpec, *, for_update: bool, padded: bool = False
+) -> list[list[int]]:
     """Index lists of `samples`, one per forward; the same count on every rank (collective with dynamic
-    batching). An empty list is a padding micro-batch (zero weight)."""
+    batching). An empty list is a padding micro-batch (zero weight). With dynamic batching the parts
+    balance token sums (packed layout: cost ~ tokens) or, `padded`, group similar lengths (cost ~ count x
+    longest)."""
     if not spec.dynamic_batching:
         size = spec.micro_batch_size if for_update else spec.experience_micro_batch_size
         return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
@@ -207,7 +250,8 @@ def micro_batches(samples: list[Sample], spec: UpdateSpec, *, for_update: bool) 
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     local = min(len(samples), math.ceil(sum(lengths) / budget))
     k = int(all_reduce_max(torch.tensor([local], dtype=torch.long)).item())
-    parts = [p for p in balanced_partitions(lengths, min(k, len(samples))) if p] if samples else []
+    partition = length_sorted_partitions if padded else balanced_partitions
+    parts = [p for p in partition(lengths, min(k, len(samples))) if p] if samples else []
     return parts + [[] for _ in range(k - len(parts))]
 
 
@@ -223,7 +267,7 @@ def compute_logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) 
     if per_pass:
         _attach_image_features(model, samples, spec)
     out: list[torch.Tensor | None] = [None] * len(samples)
-    for rows in micro_batches(samples, spec, for_update=False):
+    for rows in micro_batches(samples, spec, for_update=False, padded=not _packs(model)):
         chunk = [samples[i] for i in rows] or samples[:1]
         lp, _ = model(_collate_for(model, chunk, spec), temperature=spec.temperature)
         for j, i in enumerate(rows):
@@ -436,8 +480,11 @@ def mini_batch_backward(
     correction = None if old_from_forward else padded_correction(samples, spec)
     agg = _global_counts(samples, correction, spec)
     sums: MetricSums = {}
-    plan = micro_batches(samples, spec, for_update=True)
-    for rows in plan:
+    plan = micro_batches(samples, spec, for_update=True, padded=not _packs(policy))
+    local = world.world_size == 1 and hasattr(policy, "set_requires_gradient_sync")
+    for k, rows in enumerate(plan):
+        if local:
+            _accumulate_unsharded(policy, first=k == 0, last=k == len(plan) - 1)
         loss = _micro_batch_loss(
             policy,
             [samples[i] for i in rows] or samples[:1],
@@ -449,8 +496,26 @@ def mini_batch_backward(
             padding=not rows,
         )
         (loss * world.world_size).backward()
+    if local:
+        policy.set_reshard_after_forward(True)
     sums["train/num_micro_batches"] = (float(len(plan)), 0.0)
     return sums
+
+
+def _accumulate_unsharded(policy: nn.Module, *, first: bool, last: bool) -> None:
+    """World of one (the shard is the whole model): gather the parameters once per mini-batch and reduce
+    the gradient once, after its last micro-batch, instead of per micro-batch.
+
+    With FSDP's defaults every micro-batch re-gathers (copies, and casts to param_dtype) the whole model in
+    its forward and again in its backward, and copies its gradient out (cast to reduce_dtype) to add it
+    to the sharded one: pure overhead on one rank. Here the gathered copy stays between micro-batches and
+    FSDP accumulates the unsharded gradient in reduce_dtype (fp32), which it reduces once: the same sum of
+    the same micro-batch gradients. Several ranks keep the per-micro-batch reduction (the unsharded
+    gradient of the whole model would not fit next to the shards on large models)."""
+    if first:
+        policy.set_reshard_after_forward(False)
+    policy.set_requires_gradient_sync(last)
+    policy.set_reshard_after_backward(last)
 
 
 def _optimizer_step(policy: nn.Module, optim, spec: UpdateSpec) -> tuple[float, float]:

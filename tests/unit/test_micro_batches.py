@@ -18,6 +18,7 @@ from spmd_grpo.update import (
     UpdateSpec,
     balanced_partitions,
     compute_logprobs,
+    length_sorted_partitions,
     micro_batches,
     mini_batch_backward,
 )
@@ -68,6 +69,14 @@ def test_balanced_partitions_by_hand():
     assert sorted(map(len, parts)) == [1, 10]
 
 
+def test_length_sorted_partitions_by_hand():
+    # padded cost = count x longest; the largest is minimised: {5, 7, 20, 100} = 400, {250}, {300}
+    assert length_sorted_partitions([5, 300, 20, 250, 100, 7], 3) == [[0, 2, 4, 5], [1], [3]]
+    assert length_sorted_partitions([3, 1], 3) == [[0], [1], []]  # every sample in its own part first
+    parts = length_sorted_partitions([9, 1, 8, 2, 7, 3], 2)
+    assert parts == [[0, 2, 4], [1, 3, 5]]  # the short ones together, not one long in each part
+
+
 def test_token_budget_sets_the_number_of_micro_batches():
     samples = make_samples(BASE, BigramPolicy(vocab=7, seed=5))
     tokens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]  # 56 in all
@@ -81,6 +90,13 @@ def test_token_budget_sets_the_number_of_micro_batches():
     assert micro_batches(samples, huge, for_update=True) == [list(range(8))]
     tiny = dataclasses.replace(spec, max_token_len_for_update=1)  # at most one sample per micro-batch
     assert sorted(map(len, micro_batches(samples, tiny, for_update=True))) == [1] * 8
+    padded = micro_batches(samples, spec, for_update=True, padded=True)  # similar lengths together
+    assert sorted(i for rows in padded for i in rows) == list(range(8)) and len(padded) == 3
+    longest = [max(tokens[i] for i in rows) for rows in padded]
+    padded_tokens = sum(len(rows) * m for rows, m in zip(padded, longest, strict=True))
+    balanced = micro_batches(samples, spec, for_update=True)
+    balanced_tokens = sum(len(rows) * max(tokens[i] for i in rows) for rows in balanced)
+    assert padded_tokens < balanced_tokens
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
