@@ -31,7 +31,7 @@ packing the k parts are runs of the length-sorted samples instead (`length_sorte
 the largest padded part; a deviation from verl, which always packs). The losses keep their global
 normalisation, so the gradient does not depend on the partition.
 
-One rank (`_accumulate_unsharded`): the parameters are gathered once per mini-batch and the gradient
+One rank on the CPU (`_accumulate_unsharded`): the parameters are gathered once per mini-batch and the gradient
 reduced once, after its last micro-batch, instead of FSDP's re-gather in every micro-batch's forward and
 backward and a reduction per micro-batch (the same sum of the same micro-batch gradients).
 
@@ -481,7 +481,9 @@ def mini_batch_backward(
     agg = _global_counts(samples, correction, spec)
     sums: MetricSums = {}
     plan = micro_batches(samples, spec, for_update=True, padded=not _packs(policy))
-    local = world.world_size == 1 and hasattr(policy, "set_requires_gradient_sync")
+    local = (
+        world.world_size == 1 and world.device_type == "cpu" and hasattr(policy, "set_requires_gradient_sync")
+    )
     for k, rows in enumerate(plan):
         if local:
             _accumulate_unsharded(policy, first=k == 0, last=k == len(plan) - 1)
@@ -511,7 +513,14 @@ def _accumulate_unsharded(policy: nn.Module, *, first: bool, last: bool) -> None
     to the sharded one: pure overhead on one rank. Here the gathered copy stays between micro-batches and
     FSDP accumulates the unsharded gradient in reduce_dtype (fp32), which it reduces once: the same sum of
     the same micro-batch gradients. Several ranks keep the per-micro-batch reduction (the unsharded
-    gradient of the whole model would not fit next to the shards on large models)."""
+    gradient of the whole model would not fit next to the shards on large models).
+
+    CPU only: it holds the whole model gathered through the mini-batch's backward and an unsharded fp32
+    gradient beside the sharded one, +2 + 4 bytes per parameter at the peak (Qwen2.5-VL-3B: +22 GB). On one
+    accelerator memory is what limits, and the per-micro-batch gather it saves is a copy at device memory
+    bandwidth (a few ms per micro-batch for 3B); on the CPU, where the smoke test and the benchmarks run, the
+    copies and concatenations it removes were about a tenth of the update's profiled op time
+    (benchmarks/README.md)."""
     if first:
         policy.set_reshard_after_forward(False)
     policy.set_requires_gradient_sync(last)
