@@ -15,6 +15,12 @@ the workload: the random policy samples nearly uniformly from a small vocabulary
 measured mean, p50, p90 and max (`response_length/*` of the run). A fixed-count micro-batch is padded to its
 longest sequence; token-budget micro-batches are balanced by tokens.
 
+The DAPO configurations (`*-dapo`: dynamic sampling on top) run on 2 ranks of 1 thread each (the same 2
+cores), so that the kept groups really move between ranks; their rows add `rebalance` (the exchange) and
+`pixel_values` (the image processor on the received prompts). They train on other samples than `off`/`on`
+(groups with reward spread, regenerated until enough are kept) and on another layout, so compare their
+phases with each other, not with the 1-rank rows.
+
 bf16 is the fast path only on CPUs with AVX-512 BF16 / AMX (`torch.backends.cpu.get_cpu_capability()`); on
 an AVX2-only CPU torch emulates it and a bf16 matmul is about 5x slower than fp32, so use `--dtype float32`
 there to keep a run within minutes.
@@ -98,7 +104,17 @@ BASE = [
     "trainer.resume=none",
 ]
 
-PHASES = ["gen", "update_weights", "reward", "adv", "old_log_prob", "ref", "update_actor"]
+PHASES = [
+    "gen",
+    "update_weights",
+    "reward",
+    "rebalance",
+    "pixel_values",
+    "adv",
+    "old_log_prob",
+    "ref",
+    "update_actor",
+]
 
 
 def dtype_overrides(dtype: str) -> list[str]:
@@ -133,20 +149,21 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
     seq = 128 + args.max_response_length  # the smoke config's max_prompt_length + the response
     budgets = dict(update_budget=4 * seq, experience_budget=16 * seq)
     feature_overrides = [item.format(**budgets) for item in feature_overrides]
+    ranks = 2 if name.endswith("dapo") else 1  # samples move between ranks only with more than one
     workload = [
         f"data.max_response_length={args.max_response_length}",
         f"data.rollout_batch_size={args.prompts}",
         f"worker.actor.global_batch_size={args.prompts * 8}",
     ]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"),
         f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
         f"trainer.output_dir={work}", f"trainer.experiment_name=bench_{name}",
         *BASE, *dtype_overrides(args.dtype), *workload, *feature_overrides, *args.set,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
-    print(f"[benchmark] {name}: features on {used or '-'}", file=sys.stderr, flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(2 // ranks), "PYTHONPATH": str(REPO)}
+    print(f"[benchmark] {name}: {ranks} rank(s), features on {used or '-'}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -177,6 +194,8 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
         "tokens_per_s",
         "gen",
         "update_weights",
+        "rebalance",
+        "pixel_values",
         "old_log_prob",
         "ref",
         "update_actor",
@@ -184,7 +203,19 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
         "overhead",
         "step",
     ]
-    heads = ["tok/s", "gen", "sync", "old", "ref", "update", "old+ref+upd", "overhead", "step"]
+    heads = [
+        "tok/s",
+        "gen",
+        "sync",
+        "rebalance",
+        "pixels",
+        "old",
+        "ref",
+        "update",
+        "old+ref+upd",
+        "overhead",
+        "step",
+    ]
     print("| config | " + " | ".join(heads) + " | update / fwd | pg_loss (step 1) | kl_loss (step 2) |")
     print("| --- " * (len(heads) + 4) + "|")
     for name, r in results.items():
