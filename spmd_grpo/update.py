@@ -213,9 +213,14 @@ def balanced_partitions(lengths: list[int], k: int) -> list[list[int]]:
 def length_sorted_partitions(lengths: list[int], k: int) -> list[list[int]]:
     """Indices of `lengths` in `k` parts of similar lengths, for right-padded micro-batches, whose cost is
     (count x longest): the lengths sorted and cut into `k` runs (non-empty while there are samples) that
-    minimise the largest padded cost (dynamic programming over the cut points, O(k n^2)). Balanced token
-    sums would instead put a long sample in every part and pad all of them to it. Parts come back with
-    sorted indices, in the order of their first index; empty ones last."""
+    minimise the largest padded cost (dynamic programming over the cut points). Balanced token sums would
+    instead put a long sample in every part and pad all of them to it. Parts come back with sorted indices,
+    in the order of their first index; empty ones last.
+
+    The last run of the first j sorted items starts at the cut i minimising max(best[g-1][i], (j - i) x
+    a[j-1]): the first term never decreases with i, the second strictly decreases, so the smallest minimiser
+    is at their crossing, found by bisection: O(k n log n) instead of trying every i, O(k n^2) (1280
+    samples in 100 parts: 33 s of pure Python that way, on every trainer pass of a step)."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     a, n, k_used = [lengths[i] for i in order], len(lengths), min(k, len(lengths))
     inf = float("inf")
@@ -223,17 +228,32 @@ def length_sorted_partitions(lengths: list[int], k: int) -> list[list[int]]:
     cut = [[0] * (n + 1) for _ in range(k_used + 1)]
     best[0][0] = 0
     for g in range(1, k_used + 1):
+        prev = best[g - 1]
         for j in range(g, n + 1):
-            for i in range(g - 1, j):
-                cost = max(best[g - 1][i], (j - i) * a[j - 1])
-                if cost < best[g][j]:
-                    best[g][j], cut[g][j] = cost, i
+            cut[g][j] = i = _crossing(prev, g - 1, j, a[j - 1])
+            best[g][j] = max(prev[i], (j - i) * a[j - 1])
     parts, j = [], n
     for g in range(k_used, 0, -1):
         parts.append(sorted(order[cut[g][j] : j]))
         j = cut[g][j]
     parts += [[] for _ in range(k - k_used)]
     return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
+
+
+def _crossing(prev: list[float], lo: int, j: int, longest: int) -> int:
+    """The smallest i in [lo, j) minimising max(prev[i], (j - i) x longest), prev non-decreasing from lo."""
+    left, right = lo, j  # the first i with prev[i] >= (j - i) x longest lies in [lo, j]
+    while left < right:
+        mid = (left + right) // 2
+        if prev[mid] >= (j - mid) * longest:
+            right = mid
+        else:
+            left = mid + 1
+    if left == j:  # never crossed: the padded term is the larger one everywhere, least at j - 1
+        return j - 1
+    if left > lo and (j - left + 1) * longest <= prev[left]:
+        return left - 1
+    return left
 
 
 def micro_batches(
