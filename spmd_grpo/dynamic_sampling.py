@@ -40,7 +40,6 @@ The collectives run on the world's device (nccl and hccl take no cpu tensors).
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 from collections.abc import Callable
 
@@ -59,7 +58,7 @@ def collect_groups(
     cfg: FilterGroupsConfig,
     rollout_batch_size: int,
     world: World,
-    timer: Timer | None = None,
+    timer: Timer,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Call `generate_batch(gen_batch)` (one scored generation batch of `rollout_batch_size` prompts) until
     `cfg.train_batch_size` groups with spread are kept; returns the selected, rebalanced samples and metrics.
@@ -87,7 +86,7 @@ def collect_groups(
                 f"(algorithm.filter_groups.max_num_gen_batches={cfg.max_num_gen_batches}); raise the limit, "
                 "set it <= 0 for no limit, or check the reward"
             )
-    with timer("rebalance") if timer is not None else contextlib.nullcontext():
+    with timer("rebalance"):
         samples = select_and_rebalance(samples, target, world, num_gen_batches, rollout_batch_size)
     metrics = global_stats("train/gen_score", torch.tensor(generated_scores))
     metrics["train/num_gen_batches"] = float(num_gen_batches)

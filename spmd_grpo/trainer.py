@@ -261,19 +261,17 @@ class Trainer:
         """This rank's scored samples for the step (with DAPO dynamic sampling: the kept, rebalanced ones)."""
         fg = self.cfg.algorithm.filter_groups
         if not fg.enable:
-            samples = self._generate_and_score(step, 0, timer)
-            with timer("pixel_values"):
-                attach_pixel_values(samples, self.processor.image_processor)
-            return samples, {}
-        # Pixel values only for the kept groups, after rebalancing: the raw images travel instead (8x fewer
-        # bytes than float32 pixel values) and dropped groups are never processed.
-        samples, metrics = collect_groups(
-            lambda gen_batch: self._generate_and_score(step, gen_batch, timer),
-            fg,
-            self.cfg.data.rollout_batch_size,
-            self.world,
-            timer,
-        )
+            samples, metrics = self._generate_and_score(step, 0, timer), {}
+        else:
+            samples, metrics = collect_groups(
+                lambda gen_batch: self._generate_and_score(step, gen_batch, timer),
+                fg,
+                self.cfg.data.rollout_batch_size,
+                self.world,
+                timer,
+            )
+        # Pixel values after DAPO's filtering and rebalancing: the raw images travel instead (8x fewer bytes
+        # than float32 pixel values) and dropped groups are never processed.
         with timer("pixel_values"):
             attach_pixel_values(samples, self.processor.image_processor)
         return samples, metrics
