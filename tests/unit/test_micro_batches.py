@@ -6,6 +6,7 @@ the update's forward must give the same losses and gradient as a separate forwar
 """
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from spmd_grpo.update import (
     length_sorted_partitions,
     micro_batches,
     mini_batch_backward,
+    padded_part_count,
 )
 from tests.unit.bigram import BigramPolicy
 
@@ -77,6 +79,22 @@ def test_length_sorted_partitions_by_hand():
     assert parts == [[0, 2, 4], [1, 3, 5]]  # the short ones together, not one long in each part
 
 
+def _padded_cost(lengths: list[int], parts: list[list[int]]) -> int:
+    return max(len(p) * max(lengths[i] for i in p) for p in parts if p)
+
+
+def test_padded_part_count_is_the_fewest_within_the_budget():
+    gen = random.Random(3)
+    for _ in range(300):
+        lengths = [gen.choice([gen.randint(1, 8), gen.randint(1, 300)]) for _ in range(gen.randint(1, 30))]
+        budget = gen.randint(max(lengths), sum(lengths) + 1)
+        k = padded_part_count(lengths, budget)
+        assert _padded_cost(lengths, length_sorted_partitions(lengths, k)) <= budget
+        assert k == 1 or _padded_cost(lengths, length_sorted_partitions(lengths, k - 1)) > budget
+    assert padded_part_count([50, 60], 40) == 2  # a sample longer than the budget: every sample alone
+    assert padded_part_count([], 40) == 0
+
+
 def test_token_budget_sets_the_number_of_micro_batches():
     samples = make_samples(BASE, BigramPolicy(vocab=7, seed=5))
     tokens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]  # 56 in all
@@ -90,9 +108,13 @@ def test_token_budget_sets_the_number_of_micro_batches():
     assert micro_batches(samples, huge, for_update=True) == [list(range(8))]
     tiny = dataclasses.replace(spec, max_token_len_for_update=1)  # at most one sample per micro-batch
     assert sorted(map(len, micro_batches(samples, tiny, for_update=True))) == [1] * 8
-    padded = micro_batches(samples, spec, for_update=True, padded=True)  # similar lengths together
-    assert sorted(i for rows in padded for i in rows) == list(range(8)) and len(padded) == 3
+    # Padded: runs of similar lengths, as few as keep count x longest within the budget. Sorted lengths
+    # 2 3 4 5 6 9 11 14: 14 and 11 must be alone (2 x 11 > 20), and 2..9 cannot be one run (6 x 9), so 4
+    # parts ({2, 3, 4, 5} = 20, {6, 9} = 18); token sums alone would allow 3 (56 / 20), one padded past 20.
+    padded = micro_batches(samples, spec, for_update=True, padded=True)
+    assert sorted(i for rows in padded for i in rows) == list(range(8)) and len(padded) == 4
     longest = [max(tokens[i] for i in rows) for rows in padded]
+    assert sorted(len(rows) * m for rows, m in zip(padded, longest, strict=True)) == [11, 14, 18, 20]
     padded_tokens = sum(len(rows) * m for rows, m in zip(padded, longest, strict=True))
     balanced = micro_batches(samples, spec, for_update=True)
     balanced_tokens = sum(len(rows) * max(tokens[i] for i in rows) for rows in balanced)
