@@ -112,14 +112,18 @@ def varlen_attention(device_type: str) -> str | None:
     """The transformers `attn_implementation` with a variable-length kernel for packed sequences, or None.
 
     npu: `flash_attention_2`, which transformers maps to torch_npu's `npu_fusion_attention` (varlen through
-    `cu_seqlens`); cuda: `flash_attention_2` when the `flash_attn` package imports; cpu: None (sdpa then
-    builds a dense block-diagonal mask: correct, used by the tests, not a fast path). Verified here only on
-    CPU (sdpa, packed vs padded); neither GPU kernel has run in this project.
+    `cu_seqlens`); cuda: `flash_attention_2` when the `flash_attn` package imports (else None: sdpa would
+    build a dense block-diagonal mask); cpu: `attention.VARLEN_SDPA`, one causal sdpa per packed sequence.
+    Verified here only on CPU (packed vs padded); neither GPU kernel has run in this project.
     """
     if device_type == "npu":
         return "flash_attention_2"
     if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if device_type == "cpu":
+        from .attention import VARLEN_SDPA  # registers it with transformers
+
+        return VARLEN_SDPA
     return None
 
 

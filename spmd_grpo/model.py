@@ -126,9 +126,10 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
 def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, str]:
     """(pack the micro-batches?, transformers attn_implementation) for `worker.actor.padding_free`.
 
-    auto packs only where the device has a varlen kernel (`distributed.varlen_attention`); true packs
-    anywhere (sdpa with a block-diagonal mask where there is no kernel); false never packs. The kernel is
-    used whenever it exists: it also serves padded batches.
+    auto packs only where the device has a varlen kernel (`distributed.varlen_attention`: flash attention
+    on CUDA with `flash_attn`, the fused kernel on Ascend, per-sequence sdpa on the CPU); true packs
+    anywhere (sdpa with a dense block-diagonal mask where there is no kernel: CUDA without `flash_attn`);
+    false never packs. The kernel is used whenever it exists: it also serves padded batches.
     """
     kernel = varlen_attention(device_type)
     packed = kernel is not None if padding_free == "auto" else bool(padding_free)

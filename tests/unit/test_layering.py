@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "spmd_grpo"
 LAYERS = {
     # 0: pure pieces, no spmd_grpo imports
     "config": 0, "versions": 0, "advantage": 0, "loss": 0, "reward": 0, "correction": 0, "families": 0,
+    "attention": 0,
     "tools.synthetic_data": 0,
     # 1: the device/collective layer, trainer-side logprobs, data reading and sampling; the tiny-model builder
     "tools.make_tiny_model": 1, "distributed": 1, "logprobs": 1, "data": 1, "sampler": 1, "hf_weights": 1,

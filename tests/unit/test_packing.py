@@ -1,7 +1,7 @@
 """Padding-free (packed) forward and reused image features give the padded, encode-every-time results.
 
-Tiny random Qwen2.5-VL in fp32 on CPU (sdpa: transformers builds the block-diagonal causal mask from the
-packed position ids). Compared: per-token logprobs and entropy, and the gradient of every parameter, for
+Tiny random Qwen2.5-VL in fp32 on CPU, with both packed attention paths: transformers' sdpa (it builds the
+block-diagonal causal mask from the packed position ids) and the per-sequence varlen sdpa. Compared: per-token logprobs and entropy, and the gradient of every parameter, for
 several mixes of prompt/response lengths with images of different sizes, two images in one prompt and a
 prompt without images.
 """
@@ -15,7 +15,9 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from spmd_grpo import attention as attention_module
 from spmd_grpo import model as model_module
+from spmd_grpo.attention import VARLEN_SDPA
 from spmd_grpo.config import ConfigError, load_config
 from spmd_grpo.logprobs import ImageBatch, PolicyModule, collate, mrope_position_ids, unsamplable_token_ids
 from spmd_grpo.rollout import Prompt, Sample
@@ -81,8 +83,18 @@ def _assert_same_grads(a: dict, b: dict) -> None:
         assert err <= 1e-5 * scale + 1e-9, f"{name}: max error {err:.3g} vs max |grad| {scale:.3g}"
 
 
+@pytest.fixture(params=["sdpa", VARLEN_SDPA])
+def attention(request, tiny):
+    """The tiny policy with transformers' sdpa (a packed row gets a dense block-diagonal mask) or the
+    per-sequence varlen sdpa (`spmd_grpo.attention`, what padding_free=auto packs with on the CPU)."""
+    _, policy = tiny
+    policy.hf.set_attn_implementation(request.param)
+    yield request.param
+    policy.hf.set_attn_implementation("sdpa")
+
+
 @pytest.mark.parametrize("mix", list(LENGTH_MIXES))
-def test_packed_forward_equals_padded_logprobs_and_gradients(tiny, mix):
+def test_packed_forward_equals_padded_logprobs_and_gradients(tiny, mix, attention):
     processor, policy = tiny
     seqs = _sequences(processor, LENGTH_MIXES[mix])
     pad = processor.tokenizer.pad_token_id
@@ -96,6 +108,35 @@ def test_packed_forward_equals_padded_logprobs_and_gradients(tiny, mix):
     torch.testing.assert_close(ent_pack, ent_pad, atol=1e-5, rtol=0)
     assert (lp_pad[padded.response_mask == 0] == 0).all() and (lp_pad[padded.response_mask == 1] < 0).all()
     _assert_same_grads(g_pad, g_pack)
+
+
+def test_varlen_sdpa_runs_one_kernel_per_sequence_and_builds_no_mask(tiny, monkeypatch):
+    processor, policy = tiny
+    seqs = _sequences(processor, LENGTH_MIXES["two-images-and-text-only"])
+    packed = collate(*seqs, processor.tokenizer.pad_token_id, packed=True)
+    assert attention_module.sequence_bounds(mrope_position_ids(policy.hf, packed)[0, 0]) == [
+        0, *packed.sequence_lengths.cumsum(0).tolist()
+    ]  # fmt: skip
+    lengths = []  # query lengths of the causal (text) calls; the vision tower's are not causal
+    real = attention_module.sdpa_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        if kwargs.get("is_causal", True):
+            lengths.append(query.shape[2])
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "sdpa_attention_forward", counted)
+    monkeypatch.setattr(
+        attention_module, "sdpa_mask", lambda *a, **k: pytest.fail("a packed row built a mask")
+    )
+    policy.hf.set_attn_implementation(VARLEN_SDPA)
+    try:
+        with torch.no_grad():
+            policy(packed)
+    finally:
+        policy.hf.set_attn_implementation("sdpa")
+    layers = policy.config.text_config.num_hidden_layers
+    assert lengths == packed.sequence_lengths.tolist() * layers  # each sequence alone, in every layer
 
 
 def test_packed_positions_have_a_text_row_without_which_sequences_attend_to_each_other(tiny):
@@ -215,8 +256,10 @@ def test_dummy_image_runs_through_the_tower(tiny):
 
 
 def test_padding_free_setting_picks_packing_and_attention(monkeypatch):
-    assert model_module.attention_setup("auto", "cpu") == (False, "sdpa")
-    assert model_module.attention_setup(True, "cpu") == (True, "sdpa")
+    assert model_module.attention_setup("auto", "cpu") == (True, VARLEN_SDPA)
+    assert model_module.attention_setup(False, "cpu") == (False, VARLEN_SDPA)  # padded batches: plain sdpa
+    assert model_module.attention_setup("auto", "cuda") == (False, "sdpa")  # no flash_attn installed here
+    assert model_module.attention_setup(True, "cuda") == (True, "sdpa")  # the dense block-diagonal mask
     monkeypatch.setattr(model_module, "varlen_attention", lambda device_type: "flash_attention_2")
     assert model_module.attention_setup("auto", "cuda") == (True, "flash_attention_2")
     assert model_module.attention_setup(False, "cuda") == (False, "flash_attention_2")
