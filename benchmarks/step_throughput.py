@@ -1,7 +1,8 @@
 """Step throughput of the trainer with the throughput features off and on: tokens/s and the time of each phase.
 
-    python benchmarks/step_throughput.py [--steps 2] [--prompts 16] [--max-response-length 256]
-        [--dtype bfloat16|float32] [--configs off,on,on-dapo] [--out result.json] [--set KEY=VALUE ...]
+    python benchmarks/step_throughput.py [--steps 2] [--prompts 16] [--max-response-length 512]
+        [--extra-stop-tokens 1] [--dtype bfloat16|float32] [--configs off,on,on-dapo] [--out result.json]
+        [--set KEY=VALUE ...]
     python benchmarks/step_throughput.py --update-ratio [--dtype ...] [--ratio-prompts 16] [--rounds 3]
         [--profile N]
 
@@ -10,10 +11,16 @@ vLLM in `--dtype`, in-process engine) on a generated ~29M-parameter Qwen2.5-VL (
 once into .cache/bench_tput_model, no download) and the built-in colour task: `--prompts` prompts x 8
 samples per step, one mini-batch per step, the vision tower frozen in every configuration (image-feature
 reuse needs it; freezing is a training choice, not a throughput feature). The response lengths are set by
-the workload: the random policy samples nearly uniformly from a small vocabulary (`vocab_merges=10`) in which
-2 tokens stop, so lengths are roughly geometric, cut at `--max-response-length`; the footer prints the
-measured mean, p50, p90 and max (`response_length/*` of the run). A fixed-count micro-batch is padded to its
-longest sequence; token-budget micro-batches are balanced by tokens.
+the workload: the random policy samples nearly uniformly from a 280-token vocabulary (`vocab_merges=10`) in
+which <|im_end|>, <|endoftext|> and `--extra-stop-tokens` byte tokens stop (the benchmark lists them in a
+copy of the model's generation_config.json, which vLLM reads), so the lengths are roughly geometric, long
+tailed, cut at `--max-response-length`: with the defaults (1 extra, cap 512) about 150 tokens on average,
+a few at the cap, as an RL run's responses spread from tens to thousands of tokens. With 0 extra the mean
+is near 220 and a cap of 256 cuts over a third of the samples: lengths bunched at the cap, where no
+batching scheme has padding to save. The footer prints the measured mean, p50, p90 and max
+(`response_length/*` of the run). A fixed-count micro-batch is padded to its longest sequence; token-budget
+micro-batches are packed into one row (`padding_free=auto`: on the CPU through the per-sequence sdpa of
+`spmd_grpo/attention.py`) or, when not packed, runs of length-sorted samples within the budget.
 
 The DAPO configurations (`*-dapo`: dynamic sampling on top) run on 2 ranks of 1 thread each (the same 2
 cores), so that the kept groups really move between ranks; their rows add `rebalance` (the exchange) and
@@ -115,6 +122,22 @@ PHASES = [
     "ref",
     "update_actor",
 ]
+
+
+def with_stop_tokens(model_dir: Path, extra: int) -> Path:
+    """A view of `model_dir` whose generation_config.json lists `extra` more stop tokens (the first byte
+    tokens, ids 0..extra-1), which vLLM adds to every request's stop ids: a shorter mean response length
+    from the same random policy, so that the cap only cuts the tail. Links to the other files."""
+    out = model_dir.parent / f"{model_dir.name}-stop{extra}"
+    out.mkdir(exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.name != "generation_config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    eos = config["eos_token_id"]
+    config["eos_token_id"] = [*(eos if isinstance(eos, list) else [eos]), *range(extra)]
+    (out / "generation_config.json").write_text(json.dumps(config, indent=1))
+    return out
 
 
 def dtype_overrides(dtype: str) -> list[str]:
@@ -361,7 +384,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (8 samples each)")
-    ap.add_argument("--max-response-length", type=int, default=256)
+    ap.add_argument("--max-response-length", type=int, default=512)
+    ap.add_argument("--extra-stop-tokens", type=int, default=1,
+                    help="byte tokens added to the model's stop ids (0: only <|im_end|> and <|endoftext|>)")  # fmt: skip
     ap.add_argument(
         "--configs", default="off,on,on-dapo", help="off | on | off-dapo | on-dapo, comma-separated"
     )
@@ -383,6 +408,8 @@ def main() -> None:
     model_dir = args.model_dir or cached_tiny_model(
         REPO / ".cache" / "bench_tput_model", TinyModelSpec(**MODEL_SPEC)
     )
+    if args.extra_stop_tokens and not args.update_ratio:
+        model_dir = with_stop_tokens(model_dir, args.extra_stop_tokens)
     if args.update_ratio:
         result = update_ratio(model_dir, args)
         print_ratio(result, args)
