@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RefConfig
 from spmd_grpo.distributed import all_gather_objects, init_distributed
 from spmd_grpo.logprobs import PolicyModule, unsamplable_token_ids
-from spmd_grpo.model import build_optimizer, build_policy, build_reference
+from spmd_grpo.model import attention_setup, build_optimizer, build_policy, build_reference
 from spmd_grpo.update import UpdateSpec, collate_samples, compute_logprobs
 from tests.jobs.common import encode, run_job
 from tests.jobs.grad_invariance import make_samples
@@ -45,11 +45,13 @@ def clean(name: str) -> str:
 
 
 def plain(model_dir: str, dtype: torch.dtype) -> PolicyModule:
-    """The reference implementation: transformers' own loading, no FSDP."""
+    """The reference implementation: transformers' own loading, no FSDP, with the attention and the layout
+    (packed or padded) that `padding_free=auto` gives the trainer's models on this device."""
     from transformers import AutoModelForImageTextToText
 
-    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-    return PolicyModule(hf, unsamplable_token_ids(hf.config)).eval()
+    packed, attention = attention_setup("auto", "cpu")
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention)
+    return PolicyModule(hf, unsamplable_token_ids(hf.config), padding_free=packed).eval()
 
 
 def full_state(model: PolicyModule) -> dict[str, torch.Tensor]:
