@@ -9,6 +9,7 @@ Each test prints its measured time (`pytest -s` shows it)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,7 +81,9 @@ def test_rank_that_raises_exits_1_and_brings_the_job_down_within_10s(tmp_path):
           f"exited {proc.returncode} after {exited_at - raised_at:.2f} s")  # fmt: skip
     assert proc.returncode == 1, output[-3000:]
     assert "rank 1 failed:" in output and "rank 1 fails on purpose" in output, output[-3000:]
-    assert "(exitcode: 1) local_rank: 1" in output, output[-3000:]  # exit_promptly's code, not a signal
+    # exit_promptly's code, not a signal, in torchrun's summary (rank 1 is the root cause, or listed under
+    # "Failures" when rank 0 came down within the same poll of torchrun's monitor and was named first)
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: 1 \(pid", output), output[-3000:]
     assert max(gone) < MAX_TEARDOWN_S, output[-3000:]
     assert exited_at - raised_at < MAX_TORCHRUN_S, output[-3000:]
 
