@@ -110,19 +110,22 @@ def test_packed_forward_equals_padded_logprobs_and_gradients(tiny, mix, attentio
     _assert_same_grads(g_pad, g_pack)
 
 
-def test_varlen_sdpa_runs_one_kernel_per_sequence_and_builds_no_mask(tiny, monkeypatch):
+def test_varlen_sdpa_batches_equal_lengths_and_builds_no_mask(tiny, monkeypatch):
     processor, policy = tiny
-    seqs = _sequences(processor, LENGTH_MIXES["two-images-and-text-only"])
+    # 3 sequences of one length (same prompt, same response length) and 1 of another
+    seqs = _sequences(processor, LENGTH_MIXES["equal-lengths-same-prompt"])
     packed = collate(*seqs, processor.tokenizer.pad_token_id, packed=True)
+    lengths = packed.sequence_lengths.tolist()
+    assert len(set(lengths)) == 2 and lengths[0] == lengths[1] == lengths[2] != lengths[3]
     assert attention_module.sequence_bounds(mrope_position_ids(policy.hf, packed)[0, 0]) == [
         0, *packed.sequence_lengths.cumsum(0).tolist()
     ]  # fmt: skip
-    lengths = []  # query lengths of the causal (text) calls; the vision tower's are not causal
+    calls = []  # (batch, query length) of the causal (text) calls; the vision tower's are not causal
     real = attention_module.sdpa_attention_forward
 
     def counted(module, query, *args, **kwargs):
         if kwargs.get("is_causal", True):
-            lengths.append(query.shape[2])
+            calls.append((query.shape[0], query.shape[2]))
         return real(module, query, *args, **kwargs)
 
     monkeypatch.setattr(attention_module, "sdpa_attention_forward", counted)
@@ -136,7 +139,7 @@ def test_varlen_sdpa_runs_one_kernel_per_sequence_and_builds_no_mask(tiny, monke
     finally:
         policy.hf.set_attn_implementation("sdpa")
     layers = policy.config.text_config.num_hidden_layers
-    assert lengths == packed.sequence_lengths.tolist() * layers  # each sequence alone, in every layer
+    assert calls == [(3, lengths[0]), (1, lengths[3])] * layers  # one call per length, in every layer
 
 
 def test_packed_positions_have_a_text_row_without_which_sequences_attend_to_each_other(tiny):
