@@ -19,7 +19,7 @@ a few at the cap, as an RL run's responses spread from tens to thousands of toke
 is near 220 and a cap of 256 cuts over a third of the samples: lengths bunched at the cap, where no
 batching scheme has padding to save. The footer prints the measured mean, p50, p90 and max
 (`response_length/*` of the run). A fixed-count micro-batch is padded to its longest sequence; token-budget
-micro-batches are packed into one row (`padding_free=auto`: on the CPU through the per-sequence sdpa of
+micro-batches are packed into one row (`padding_free=auto`: on the CPU through the per-length sdpa of
 `spmd_grpo/attention.py`) or, when not packed, runs of length-sorted samples within the budget.
 
 The DAPO configurations (`*-dapo`: dynamic sampling on top) run on 2 ranks of 1 thread each (the same 2

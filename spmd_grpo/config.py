@@ -434,8 +434,8 @@ class ActorConfig:
     """Tokens per chunk of the vocabulary-sized log-softmax (bounds its memory)."""
     padding_free: bool | Literal["auto"] = "auto"
     """Pack each micro-batch's sequences into one row (no padding tokens). auto: on where the device has a
-    varlen attention path (flash attention on CUDA with `flash_attn`, the fused kernel on Ascend, one sdpa
-    per sequence on the CPU), off on CUDA without `flash_attn`, where true packs with a dense
+    varlen attention path (flash attention on CUDA with `flash_attn`, the fused kernel on Ascend, causal
+    sdpa per sequence length on the CPU), off on CUDA without `flash_attn`, where true packs with a dense
     block-diagonal mask (correct, not faster)."""
     reuse_image_features: bool = True
     """With model.freeze_vision_tower: encode each prompt's images once per step, reused by all its samples

@@ -127,7 +127,7 @@ def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, s
     """(pack the micro-batches?, transformers attn_implementation) for `worker.actor.padding_free`.
 
     auto packs only where the device has a varlen kernel (`distributed.varlen_attention`: flash attention
-    on CUDA with `flash_attn`, the fused kernel on Ascend, per-sequence sdpa on the CPU); true packs
+    on CUDA with `flash_attn`, the fused kernel on Ascend, per-length sdpa on the CPU); true packs
     anywhere (sdpa with a dense block-diagonal mask where there is no kernel: CUDA without `flash_attn`);
     false never packs. The kernel is used whenever it exists: it also serves padded batches.
     """
