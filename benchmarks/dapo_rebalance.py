@@ -6,7 +6,7 @@ Every rank holds what one rank of a 64-rank geometry3k job holds after DAPO's fi
 generation batches of `--prompts-per-rank` prompts x `--n` samples, each group kept with probability
 `--keep` (the same draw on every rank), one `--image`-pixel square RGB image per prompt (geometry3k's ~500 x
 500, as smart_resize leaves it for min_pixels 512 x 512: 532 x 532, 1444 patches, 361 image tokens),
-responses of 1 to `--max-response` tokens, random token ids and float64 logprobs (tests/jobs/dapo_rebalance.py
+responses of 1 to `--max-response` tokens, random token ids and float64 logprobs (`dapo_samples.py`
 builds them). The target is `--prompts-per-rank` groups per rank. Three ways, each timed `--reps` times
 (the slowest rank's time, median over reps):
 
@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spmd_grpo.distributed import all_reduce_max, all_reduce_sum, init_distributed  # noqa: E402
-from spmd_grpo.dynamic_sampling import select_and_rebalance  # noqa: E402
-from spmd_grpo.rollout import attach_pixel_values  # noqa: E402
-from tests.jobs.dapo_rebalance import pickle_rebalance, synthetic_group  # noqa: E402
+from benchmarks.dapo_samples import pickle_rebalance, synthetic_group  # noqa: E402
+from spmd_grpo.parallel.collectives import all_reduce_max, all_reduce_sum, init_distributed  # noqa: E402
+from spmd_grpo.rollout.dynamic_sampling import select_and_rebalance  # noqa: E402
+from spmd_grpo.rollout.generate import attach_pixel_values  # noqa: E402
 
 BYTES_SENT = [0, 0]  # to other ranks, to itself: counted from uint8 all_to_all_single calls
 _all_to_all_single = dist.all_to_all_single

@@ -48,7 +48,7 @@ WARM_UP_ROWS = 64
 
 def make_parquet(rows: int, workdir: Path) -> Path:
     """`workdir/data_<rows>.parquet`, written once: DISTINCT_ROWS synthetic geometry3k rows, repeated."""
-    from spmd_grpo.tools.synthetic_data import synthetic_geo3k_rows, write_parquet
+    from spmd_grpo.data.synthetic import synthetic_geo3k_rows, write_parquet
 
     path = workdir / f"data_{rows}.parquet"
     if not path.exists():
@@ -63,9 +63,9 @@ def pipeline(parquet: Path, processor, batch: int) -> tuple[list, list]:
     images. Returns (examples, [(prompt token ids, images)] of the step)."""
     from dataclasses import replace
 
-    from spmd_grpo.config import DataConfig
-    from spmd_grpo.data import load_dataset
-    from spmd_grpo.sampler import PromptSampler
+    from spmd_grpo.config.schema import DataConfig
+    from spmd_grpo.data.dataset import load_dataset
+    from spmd_grpo.data.sampler import PromptSampler
 
     cfg = replace(DataConfig(), train_files=str(parquet), rollout_batch_size=batch)
     examples = load_dataset(cfg, processor, "train")
@@ -79,7 +79,7 @@ def measure(parquet: Path, model_dir: Path, batch: int) -> dict:
     """In this (fresh) process: base RSS, then the data pipeline's peak and what it keeps (bytes)."""
     import transformers
 
-    import spmd_grpo.data
+    import spmd_grpo.data.dataset
 
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
     # A warm-up run on a small file pays the first-use imports, caches and code pages (not per-row costs).
@@ -96,7 +96,7 @@ def measure(parquet: Path, model_dir: Path, batch: int) -> dict:
     release_free_memory()
     kept = proc_mem()["VmRSS"] - base
     return {
-        "module": spmd_grpo.data.__file__,
+        "module": spmd_grpo.data.dataset.__file__,
         "rows": len(examples),
         "seconds": seconds,
         "base": base,

@@ -12,7 +12,7 @@ What runs, per rank: the policy (fp32 master weights) and the reference (worker.
 own rows of the safetensors. `--baseline` builds them the way this project did before: every rank
 `from_pretrained(fp32).to(device)` for each model, then `fully_shard` (the reference stays fp32 on CPU).
 `--stock-reader` builds them the new way but reads with torch's `HuggingFaceStorageReader`, which
-memory-maps each file (the evidence for `spmd_grpo.hf_weights.SliceReader`).
+memory-maps each file (the evidence for `spmd_grpo.models.weights.SliceReader`).
 
 Measured, OS level: gc + `malloc_trim(0)`, read VmRSS, reset VmHWM (`/proc/self/clear_refs`), build; the
 peak is VmHWM minus that VmRSS (it counts the pages of memory-mapped checkpoint files a rank touched, which
@@ -62,8 +62,8 @@ def baseline_builders(actor, world):
     reference was cast to its compute dtype before sharding only on NPU, so it is fp32 here)."""
     from transformers import AutoModelForImageTextToText
 
-    from spmd_grpo.logprobs import PolicyModule, unsamplable_token_ids
-    from spmd_grpo.model import shard_model
+    from spmd_grpo.models.build import shard_model
+    from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 
     def load() -> PolicyModule:
         hf = AutoModelForImageTextToText.from_pretrained(
@@ -82,8 +82,8 @@ def baseline_builders(actor, world):
 
 def builders(actor, world):
     """What the trainer calls: meta device, `fully_shard`, each rank reading its rows."""
-    from spmd_grpo.config import RefConfig
-    from spmd_grpo.model import build_policy, build_reference
+    from spmd_grpo.config.workers import RefConfig
+    from spmd_grpo.models.build import build_policy, build_reference
 
     return (lambda: build_policy(actor, world)), (lambda: build_reference(actor, RefConfig(), world))
 
@@ -91,8 +91,8 @@ def builders(actor, world):
 def build_engine(actor, world, policy):
     """The rollout engine as the trainer builds it (vLLM with dummy weights, fp32 on CPU, 1 GiB KV cache),
     then its first weight push (every weight, from the sharded policy)."""
-    from spmd_grpo.config import RolloutConfig
-    from spmd_grpo.engine import RolloutEngine
+    from spmd_grpo.config.workers import RolloutConfig
+    from spmd_grpo.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(
         actor.model.model_path,
@@ -200,17 +200,17 @@ def main() -> None:
 
     from safetensors import safe_open
 
-    from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig
-    from spmd_grpo.distributed import all_gather_objects, init_distributed
-    from spmd_grpo.hf_weights import weight_files
+    from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig
+    from spmd_grpo.models.weights import weight_files
+    from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 
     world = init_distributed("cpu")
     if args.stock_reader:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        import spmd_grpo.hf_weights
+        import spmd_grpo.models.weights
 
-        spmd_grpo.hf_weights.SliceReader = HuggingFaceStorageReader
+        spmd_grpo.models.weights.SliceReader = HuggingFaceStorageReader
     args.model_dir = (args.model_dir or DEFAULT_MODEL_DIR).resolve()
     if args.model_dir == DEFAULT_MODEL_DIR.resolve():
         ensure_model(args.model_dir, BENCH_SPEC, world.rank)

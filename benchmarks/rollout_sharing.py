@@ -2,7 +2,7 @@
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 python benchmarks/rollout_sharing.py --mode MODE
 
-The rollout (spmd_grpo/rollout.py) submits each prompt as n requests of one sample with their own seeds.
+The rollout (spmd_grpo/rollout/generate.py) submits each prompt as n requests of one sample with their own seeds.
 This runs one rollout-shaped batch (P prompts, each with its own image, n samples, the engine's settings:
 seeded requests, chunked prefill off) on the real vLLM CPU engine and a tiny random Qwen2.5-VL, and prints
 how many images the vision encoder ran on, vLLM's prefix-cache counters and the generate time. MODE:
@@ -45,7 +45,7 @@ def _requests(processor, args):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from spmd_grpo.rollout import request_seed
+    from spmd_grpo.rollout.generate import request_seed
 
     requests, params = [], []
     for uid in range(prompts):
@@ -83,9 +83,9 @@ def main() -> None:
     from transformers import AutoProcessor
     from vllm import LLM
 
-    from tests.conftest import tiny_model
+    from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
-    model = tiny_model()
+    model = cached_tiny_model(REPO / ".cache", TinyModelSpec())
     processor = AutoProcessor.from_pretrained(model)
     llm = LLM(
         model=str(model),

@@ -20,7 +20,7 @@ is near 220 and a cap of 256 cuts over a third of the samples: lengths bunched a
 batching scheme has padding to save. The footer prints the measured mean, p50, p90 and max
 (`response_length/*` of the run). A fixed-count micro-batch is padded to its longest sequence; token-budget
 micro-batches are packed into one row (`padding_free=auto`: on the CPU through the per-length sdpa of
-`spmd_grpo/attention.py`) or, when not packed, runs of length-sorted samples within the budget.
+`spmd_grpo/models/attention.py`) or, when not packed, runs of length-sorted samples within the budget.
 
 The DAPO configurations (`*-dapo`: dynamic sampling on top) run on 2 ranks of 1 thread each (the same 2
 cores), so that the kept groups really move between ranks; their rows add `rebalance` (the exchange) and
@@ -147,7 +147,8 @@ def dtype_overrides(dtype: str) -> list[str]:
 
 def known_keys() -> set[str]:
     """Every dotted key of the config (to skip features that do not exist yet)."""
-    from spmd_grpo.config import Config, _all_keys
+    from spmd_grpo.config.loader import _all_keys
+    from spmd_grpo.config.schema import Config
 
     return set(_all_keys(Config))
 
@@ -281,7 +282,7 @@ def ratio_samples(processor, prompts: int, n: int, length: int) -> list:
     import torch
     from PIL import Image
 
-    from spmd_grpo.rollout import Prompt, Sample
+    from spmd_grpo.data.samples import Prompt, Sample
 
     gen = torch.Generator().manual_seed(0)
     content = [{"type": "image"}, {"type": "text", "text": "Which color? Answer with a digit."}]
@@ -301,7 +302,8 @@ def ratio_samples(processor, prompts: int, n: int, length: int) -> list:
 
 def _old_pass(policy, samples, spec) -> None:
     """The trainer's `timing_s/old_log_prob` phase: encode the images (when reused), forward-only logprobs."""
-    from spmd_grpo.update import compute_logprobs, encode_images
+    from spmd_grpo.actor.image_features import encode_images
+    from spmd_grpo.actor.logprob_pass import compute_logprobs
 
     for s in samples:
         s.image_features = None
@@ -327,10 +329,12 @@ def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     import torch
     from transformers import AutoProcessor
 
-    from spmd_grpo.config import load_config
-    from spmd_grpo.distributed import init_distributed
-    from spmd_grpo.model import build_optimizer, build_policy
-    from spmd_grpo.update import UpdateSpec, update_policy
+    from spmd_grpo.actor.optimizer import build_optimizer
+    from spmd_grpo.actor.spec import UpdateSpec
+    from spmd_grpo.actor.update import update_policy
+    from spmd_grpo.config.loader import load_config
+    from spmd_grpo.models.build import build_policy
+    from spmd_grpo.parallel.collectives import init_distributed
 
     torch.set_num_threads(2)
     overrides = [f"worker.actor.model.model_path={model_dir}", *BASE, *dtype_overrides(args.dtype)]

@@ -143,11 +143,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    import spmd_grpo.engine as engine_mod
-    from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
-    from spmd_grpo.distributed import init_distributed
-    from spmd_grpo.engine import RolloutEngine, iter_weight_buckets
-    from spmd_grpo.model import DTYPES, build_policy
+    import spmd_grpo.rollout.engine as engine_mod
+    from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
+    from spmd_grpo.models.build import DTYPES, build_policy
+    from spmd_grpo.parallel.collectives import init_distributed
+    from spmd_grpo.rollout.engine import RolloutEngine
+    from spmd_grpo.rollout.weight_sync import iter_weight_buckets
 
     world = init_distributed("cpu")
     model_dir = (args.model_dir or DEFAULT_MODEL_DIR).resolve()

@@ -2,7 +2,7 @@
 
 Builds (once, cached under .cache/) a tiny random Qwen2.5-VL, runs
     torchrun --nproc_per_node 2 -m spmd_grpo.train configs/smoke.yaml worker.actor.model.model_path=<tiny> ...
-prints the mean reward over the steps from the run's metrics.jsonl and writes the curves (`spmd_grpo.report`)
+prints the mean reward over the steps from the run's metrics.jsonl and writes the curves (`spmd_grpo.telemetry.report`)
 to <run dir>/report.png, printing its path. Exits non-zero if the run fails or
 the final mean reward (mean over the last 5 steps) is below 0.8: if weight sync, the advantage sign or the
 loss were wrong, the reward would not rise.
@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from .config import load_config
-from .report import write_report
-from .tools.make_tiny_model import TinyModelSpec, cached_tiny_model
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.telemetry.report import write_report
+from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.8

@@ -4,7 +4,7 @@ This entry point parses the command line, loads and validates the config against
 torchrun's environment BEFORE any process group or model exists (values, paths that must exist, the data
 set's size, a model whose family is not supported; a user reward file is imported) and decides what the
 start does with the run directory (new run or resume, and the config's changes since the saved one:
-resume.py); a problem in either prints one line on stderr and exits with code 2. Then it prints the
+run/start.py); a problem in either prints one line on stderr and exits with code 2. Then it prints the
 `--dry-run` plan or starts the loop (`trainer.run`; the step is described in trainer.py).
 """
 
@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import sys
 
-from .config import BUILTIN_REWARDS, Config, ConfigError, env_world_size, load_config, validate
-from .families import family_of_model_path
-from .versions import VersionError, check_versions
+from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.config.schema import Config
+from spmd_grpo.config.validate import env_world_size, validate
+from spmd_grpo.config.versions import VersionError, check_versions
+from spmd_grpo.models.families import family_of_model_path
 
 DRY_RUN_OPTIONS = ("--nnodes", "--nproc-per-node", "--device-memory-gb")
 
@@ -52,7 +55,7 @@ def check_reward_imports(cfg: Config) -> None:
     spec = cfg.worker.reward.reward_function
     if spec in BUILTIN_REWARDS:
         return
-    from .reward import load_reward_function
+    from spmd_grpo.algorithm.reward import load_reward_function
 
     try:
         load_reward_function(spec)
@@ -71,28 +74,28 @@ def check_family(model_path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides, dry_run = parse_args(argv)
+        path, overrides, dry_run_options = parse_args(argv)
         cfg = load_config(path, overrides)
-        if dry_run is not None:
-            from .plan import dry_run as plan
+        if dry_run_options is not None:
+            from spmd_grpo.dry_run import dry_run
 
-            nnodes, nproc = dry_run.get("nnodes", 1), dry_run.get("nproc_per_node", 8)
-            print(plan(cfg, nnodes, nproc, dry_run.get("device_memory_gb", 80)))
+            nnodes, nproc = dry_run_options.get("nnodes", 1), dry_run_options.get("nproc_per_node", 8)
+            print(dry_run(cfg, nnodes, nproc, dry_run_options.get("device_memory_gb", 80)))
             return
         validate(cfg, env_world_size())
         check_reward_imports(cfg)
         check_family(cfg.worker.actor.model.model_path)
         check_versions()
-        from .resume import plan_start  # imports torch: after the config checks, which do not need it
+        from spmd_grpo.run.start import plan_start
 
-        plan = plan_start(cfg)  # new run or resume, and the config diff, before anything is written
+        start = plan_start(cfg)  # new run or resume, and the config diff, before anything is written
     except (ConfigError, ValueError, VersionError) as e:
         kind = "version" if isinstance(e, VersionError) else "config"
         print(f"{kind} error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    from .trainer import run
+    from spmd_grpo.trainer import run
 
-    run(cfg, plan)
+    run(cfg, start)
 
 
 if __name__ == "__main__":

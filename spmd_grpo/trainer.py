@@ -18,7 +18,7 @@ One step of `Trainer.train`, each line one call:
 Run state that changes as training goes on lives in one `RunState` (step, policy version, stop signal)
 plus the prompt sampler's position; both are what a checkpoint restores.
 
-Semantics (verl's unless noted; formulas in advantage.py / loss.py):
+Semantics (verl's unless noted; formulas in algorithm/advantage.py / algorithm/loss.py):
   * Each rank owns rollout_batch_size / world prompts and all n samples of each; group statistics use
     collectives anyway, so they stay right wherever a group's samples live.
   * Old logprobs are recomputed by the trainer (not taken from vLLM) before the update. With one
@@ -30,7 +30,7 @@ Semantics (verl's unless noted; formulas in advantage.py / loss.py):
     verl's legacy mean of micro-batch means is not reproduced. FSDP averages gradients over ranks, so the
     per-rank loss is multiplied by the world size to recover the global sum.
   * Rollout logprobs from vLLM are used for `rollout/logprob_diff_*` (the mismatch users must see) and, when
-    `algorithm.rollout_correction` is on, for the IS weights / rejection of the update (correction.py).
+    `algorithm.rollout_correction` is on, for the IS weights / rejection of the update (algorithm/correction.py).
 """
 
 from __future__ import annotations
@@ -43,22 +43,28 @@ from dataclasses import dataclass
 import torch
 import yaml
 
-from . import distributed as D
-from .advantage import compute_batch_std_advantages, compute_grpo_advantages
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, dump_yaml
-from .data import load_dataset
-from .dynamic_sampling import collect_groups
-from .engine import RolloutEngine
-from .loggers import Loggers, build_loggers
-from .metrics import Timer, perf_metrics, sample_metrics
-from .model import build_optimizer, build_policy, build_reference, resolve_dtype
-from .resume import StartPlan, plain_config, plan_start
-from .reward import load_reward_function, overlong_penalty, score_samples
-from .rollout import Prompt, Sample, SamplingConfig, attach_pixel_values, generate
-from .sampler import PromptSampler
-from .update import UpdateSpec, compute_logprobs, encode_images, update_policy
-from .validation import VAL_SEED_OFFSET, validate
+from spmd_grpo import parallel as D
+from spmd_grpo.actor.image_features import encode_images
+from spmd_grpo.actor.logprob_pass import compute_logprobs
+from spmd_grpo.actor.optimizer import build_optimizer
+from spmd_grpo.actor.spec import UpdateSpec
+from spmd_grpo.actor.update import update_policy
+from spmd_grpo.algorithm.advantage import compute_batch_std_advantages, compute_grpo_advantages
+from spmd_grpo.algorithm.reward import load_reward_function, overlong_penalty, score_samples
+from spmd_grpo.config.loader import dump_yaml
+from spmd_grpo.config.schema import Config
+from spmd_grpo.data.dataset import load_dataset
+from spmd_grpo.data.sampler import PromptSampler
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.models.build import build_policy, build_reference, resolve_dtype
+from spmd_grpo.rollout.dynamic_sampling import collect_groups
+from spmd_grpo.rollout.engine import RolloutEngine
+from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, generate
+from spmd_grpo.rollout.validation import VAL_SEED_OFFSET, validate
+from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
+from spmd_grpo.run.start import StartPlan, plain_config, plan_start
+from spmd_grpo.telemetry.loggers import Loggers, build_loggers
+from spmd_grpo.telemetry.metrics import Timer, perf_metrics, sample_metrics
 
 log = logging.getLogger("spmd_grpo")
 
@@ -376,7 +382,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Policy, optimizer, schedule, data position, policy version and RNG from the checkpoint the start
-        plan chose (resume.py; the config was checked against the saved one before anything was built)."""
+        plan chose (run/start.py; the config was checked against the saved one before anything was built)."""
         if self.plan.checkpoint is None:
             return
         saved = load_checkpoint(self.plan.checkpoint, policy=self.policy, optim=self.optim, world=self.world)
@@ -418,7 +424,7 @@ def _read_yaml(path) -> object:
 
 def run(cfg: Config, plan: StartPlan | None = None) -> None:
     """Train `cfg` on this rank (the process group is created here, after the config was validated and
-    `plan` (resume.plan_start, made here when not given) decided what to do with the run directory).
+    `plan` (run.start.plan_start, made here when not given) decided what to do with the run directory).
 
     SIGTERM/SIGINT are listened for from the first line, so a signal during start-up counts too; an
     exception ends the rank at once with exit code 1 (`D.exit_promptly`), so torchrun brings the job down."""
@@ -432,7 +438,7 @@ def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     _setup_logging(cfg, world)
     if world.is_main:
-        from .versions import check_versions, version_line
+        from spmd_grpo.config.versions import check_versions, version_line
 
         log.info(
             "%s; device %s, backend %s, world %d",

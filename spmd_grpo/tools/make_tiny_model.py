@@ -6,7 +6,7 @@ template, processor.
 The result loads in transformers (`AutoModelForImageTextToText`, `AutoProcessor`) and in vLLM, exactly like a
 real directory of that family, so tests and the smoke job exercise the production loading path.
 Deterministic for a seed (same bytes for the same seed and options). `--family` is a model_type of
-`spmd_grpo.families` (default qwen2_5_vl).
+`spmd_grpo.models.families` (default qwen2_5_vl).
 
 Constraints from vLLM's CPU backend: its attention supports only some head sizes (32, 64, 80, ...), so
 head_dim is 32 or 64, and mrope_section must sum to head_dim / 2.
@@ -118,7 +118,7 @@ def build_tokenizer(num_merges: int):
 
 def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write a tiny random model of `spec.family` (model + tokenizer + processor) into out_dir and return it."""
-    from spmd_grpo.families import family_for_type
+    from spmd_grpo.models.families import family_for_type
 
     family = family_for_type(spec.family, "TinyModelSpec.family")
     if spec.head_dim not in (32, 64):
@@ -186,7 +186,7 @@ def _vision_config(spec: TinyModelSpec, family) -> dict:
 
 def tiny_config(spec: TinyModelSpec, ids: dict[str, int], num_tokens: int):
     """The HF config of `spec`, for a tokenizer of `num_tokens` tokens whose special-token ids are `ids`."""
-    from spmd_grpo.families import family_for_type
+    from spmd_grpo.models.families import family_for_type
 
     family = family_for_type(spec.family, "TinyModelSpec.family")
     vocab_size = num_tokens + -num_tokens % 64  # padded like real checkpoints (vLLM shards the vocab)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spmd_grpo.advantage import compute_batch_std_advantages, compute_grpo_advantages
+from spmd_grpo.algorithm.advantage import compute_batch_std_advantages, compute_grpo_advantages
 from tests.conftest import torchrun
 from tests.jobs.split_group_advantages import GROUPS, SCORES
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from spmd_grpo.config import DataConfig
-from spmd_grpo.data import load_dataset
+from spmd_grpo.config.schema import DataConfig
+from spmd_grpo.data.dataset import load_dataset
 from tests.conftest import tiny_model, torchrun
 from tests.unit.test_data_streaming import _directory
 

@@ -12,7 +12,7 @@ import json
 import pytest
 from PIL import Image
 
-from spmd_grpo.tools.synthetic_data import write_parquet
+from spmd_grpo.data.synthetic import write_parquet
 from tests.conftest import torchrun
 from tests.unit.test_data_rows import _modes, _png_header
 

@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-import spmd_grpo.export as export_mod
-from spmd_grpo.export import export_hf
+import spmd_grpo.run.export as export_mod
+from spmd_grpo.run.export import export_hf
 from tests.conftest import REPO, tiny_model
 
 pytestmark = pytest.mark.engine

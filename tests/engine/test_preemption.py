@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from spmd_grpo.checkpoint import find_checkpoint
+from spmd_grpo.run.checkpoint import find_checkpoint
 from tests.conftest import REPO, free_port, torchrun
 
 pytestmark = pytest.mark.engine

@@ -31,9 +31,11 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw
 
-from spmd_grpo.config import Config, load_config, validate
-from spmd_grpo.families import PUBLISHED
-from spmd_grpo.tools.synthetic_data import write_parquet
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.config.schema import Config
+from spmd_grpo.config.validate import validate
+from spmd_grpo.data.synthetic import write_parquet
+from spmd_grpo.models.families import PUBLISHED
 from tests.conftest import CACHE, REPO, tiny_model, torchrun
 
 pytestmark = pytest.mark.engine
@@ -183,7 +185,7 @@ def _swapped(cfg: Config, tmp_path: Path) -> list[str]:
         model = tiny_model()
     else:
         assert model_path in PUBLISHED, (
-            f"{model_path}: add its architecture to spmd_grpo/families.py (the family's published list) so "
+            f"{model_path}: add its architecture to spmd_grpo/models/families.py (the family's published list) so "
             "--dry-run and this test know its family and whether it ties its embeddings"
         )
         family = PUBLISHED[model_path]

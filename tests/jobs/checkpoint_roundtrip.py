@@ -21,13 +21,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from spmd_grpo.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
-from spmd_grpo.distributed import all_gather_objects, init_distributed, seed_everything
-from spmd_grpo.engine import hf_name
-from spmd_grpo.logprobs import collate
-from spmd_grpo.model import build_optimizer, build_policy
-from spmd_grpo.sampler import PromptSampler
+from spmd_grpo.actor.optimizer import build_optimizer
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
+from spmd_grpo.data.sampler import PromptSampler
+from spmd_grpo.models.build import build_policy
+from spmd_grpo.models.inputs import collate
+from spmd_grpo.models.weights import hf_name
+from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
+from spmd_grpo.parallel.devices import seed_everything
+from spmd_grpo.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
 GLOBAL_BATCH = 2
 TOTAL_STEPS = 10
@@ -148,7 +150,7 @@ if __name__ == "__main__":
     main()
     # Tear the process group down before the interpreter exits: gloo's threads otherwise race the exit
     # ("terminate called without an active exception", exit -6, seen as a flaky test).
-    from spmd_grpo.distributed import barrier, destroy
+    from spmd_grpo.parallel.collectives import barrier, destroy
 
     barrier()
     destroy()

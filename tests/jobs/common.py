@@ -11,7 +11,7 @@ def run_job(main: Callable[[], None]) -> None:
     """Run a job's `main` under torchrun, then tear the process group down before the interpreter exits:
     gloo's threads otherwise race the exit ("terminate called without an active exception", exit -6,
     seen as a flaky test)."""
-    from spmd_grpo.distributed import barrier, destroy
+    from spmd_grpo.parallel.collectives import barrier, destroy
 
     main()
     barrier()

@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
-from spmd_grpo.distributed import init_distributed, new_tp_groups
-from spmd_grpo.engine import RolloutEngine
-from spmd_grpo.model import build_policy
-from spmd_grpo.rollout import Prompt, SamplingConfig, attach_pixel_values, generate, generate_for_group
-from spmd_grpo.update import collate_samples
+from spmd_grpo.actor.micro_batches import collate_samples
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
+from spmd_grpo.data.samples import Prompt
+from spmd_grpo.models.build import build_policy
+from spmd_grpo.parallel.collectives import init_distributed, new_tp_groups
+from spmd_grpo.rollout.engine import RolloutEngine
+from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, generate, generate_for_group
 from tests.jobs.common import chat_text, run_job
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]

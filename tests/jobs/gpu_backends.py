@@ -7,7 +7,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from spmd_grpo import distributed as D
+from spmd_grpo import parallel as D
 
 world = D.init_distributed("cuda")
 host = torch.ones(2)

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
-from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
-from spmd_grpo.distributed import init_distributed
-from spmd_grpo.engine import RolloutEngine
-from spmd_grpo.model import build_policy
-from spmd_grpo.rollout import Prompt, SamplingConfig, generate
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
+from spmd_grpo.data.samples import Prompt
+from spmd_grpo.models.build import build_policy
+from spmd_grpo.parallel.collectives import init_distributed
+from spmd_grpo.rollout.engine import RolloutEngine
+from spmd_grpo.rollout.generate import SamplingConfig, generate
 from tests.jobs.common import run_job
 
 

@@ -23,11 +23,15 @@ import dataclasses
 import torch
 from PIL import Image
 
-from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig
-from spmd_grpo.distributed import all_gather_objects, init_distributed
-from spmd_grpo.model import build_policy, clip_grad_norm
-from spmd_grpo.rollout import Prompt, Sample
-from spmd_grpo.update import UpdateSpec, compute_logprobs, encode_images, mini_batch_backward
+from spmd_grpo.actor.image_features import encode_images
+from spmd_grpo.actor.logprob_pass import compute_logprobs
+from spmd_grpo.actor.optimizer import clip_grad_norm
+from spmd_grpo.actor.spec import UpdateSpec
+from spmd_grpo.actor.update import mini_batch_backward
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.models.build import build_policy
+from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from tests.jobs.common import encode, run_job
 
 NUM_SAMPLES = 8

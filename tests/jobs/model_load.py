@@ -27,11 +27,14 @@ import torch
 from PIL import Image
 from torch.distributed.tensor import DTensor
 
-from spmd_grpo.config import ActorConfig, FSDPConfig, ModelConfig, RefConfig
-from spmd_grpo.distributed import all_gather_objects, init_distributed
-from spmd_grpo.logprobs import PolicyModule, unsamplable_token_ids
-from spmd_grpo.model import attention_setup, build_optimizer, build_policy, build_reference
-from spmd_grpo.update import UpdateSpec, collate_samples, compute_logprobs
+from spmd_grpo.actor.logprob_pass import compute_logprobs
+from spmd_grpo.actor.micro_batches import collate_samples
+from spmd_grpo.actor.optimizer import build_optimizer
+from spmd_grpo.actor.spec import UpdateSpec
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, RefConfig
+from spmd_grpo.models.build import attention_setup, build_policy, build_reference
+from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
+from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from tests.jobs.common import encode, run_job
 from tests.jobs.grad_invariance import make_samples
 

@@ -16,9 +16,10 @@ from dataclasses import replace
 
 import torch
 
-import spmd_grpo.data as data
-from spmd_grpo.config import DataConfig
-from spmd_grpo.distributed import all_gather_objects, init_distributed
+import spmd_grpo.data.dataset as data
+import spmd_grpo.data.sources as sources
+from spmd_grpo.config.schema import DataConfig
+from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from tests.jobs.common import run_job
 
 
@@ -39,17 +40,17 @@ def main() -> None:
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
     cfg = replace(DataConfig(), train_files=data_dir, max_bad_fraction=0.2, max_prompt_length=100)
     checked = []  # (file, row) of every row this rank reads to check it
-    read = data._ParquetRows.read
+    read = sources._ParquetRows.read
 
     def recording_read(self, start, stop):
         for row, values in read(self, start, stop):
             checked.append((self.path.name, row))
             yield row, values
 
-    data._ParquetRows.read = recording_read
+    sources._ParquetRows.read = recording_read
     load = dict(rank=world.rank, world_size=world.world_size, all_gather=all_gather_objects)
     examples = data.load_dataset(cfg, processor, **load)
-    data._ParquetRows.read = read
+    sources._ParquetRows.read = read
     try:
         data.load_dataset(replace(cfg, max_bad_fraction=0.05), processor, **load)
         error = None

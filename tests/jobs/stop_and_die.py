@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from spmd_grpo import distributed as D
+from spmd_grpo import parallel as D
 
 log = logging.getLogger("stop_and_die")
 

@@ -6,7 +6,7 @@ from torch import nn
 
 
 class BigramPolicy(nn.Module):
-    """Returns (response logprobs, entropy) [B, R] like `logprobs.PolicyModule`, zero on padding."""
+    """Returns (response logprobs, entropy) [B, R] like `models.policy.PolicyModule`, zero on padding."""
 
     def __init__(self, vocab: int, seed: int) -> None:
         super().__init__()

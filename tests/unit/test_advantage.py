@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from spmd_grpo.advantage import (
+from spmd_grpo.algorithm.advantage import (
     compute_batch_std_advantages,
     compute_grpo_advantages,
     group_has_spread,

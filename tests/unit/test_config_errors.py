@@ -17,7 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from spmd_grpo import train
-from spmd_grpo.config import ConfigError, load_config, validate
+from spmd_grpo.config.checks import ConfigError
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.config.validate import validate
 
 NUM_TRAIN_ROWS = 8
 

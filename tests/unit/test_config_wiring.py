@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from spmd_grpo.config import load_config
-from spmd_grpo.engine import llm_kwargs
-from spmd_grpo.model import hf_config
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.models.build import hf_config
+from spmd_grpo.rollout.engine import llm_kwargs
 
 CUSTOM_CONFIG = """from transformers import PretrainedConfig
 

@@ -7,12 +7,16 @@ import math
 import pytest
 import torch
 
-from spmd_grpo.config import ConfigError, load_config, validate
-from spmd_grpo.correction import CorrectionSpec, rollout_correction
-from spmd_grpo.distributed import World
-from spmd_grpo.loss import policy_loss
-from spmd_grpo.rollout import Prompt, Sample
-from spmd_grpo.update import UpdateSpec, compute_logprobs, correction_metrics, mini_batch_backward
+from spmd_grpo.actor.logprob_pass import compute_logprobs
+from spmd_grpo.actor.spec import UpdateSpec
+from spmd_grpo.actor.update import correction_metrics, mini_batch_backward
+from spmd_grpo.algorithm.correction import CorrectionSpec, rollout_correction
+from spmd_grpo.algorithm.loss import policy_loss
+from spmd_grpo.config.checks import ConfigError
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.config.validate import validate
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.parallel.collectives import World
 from tests.unit.bigram import BigramPolicy
 
 NAN, INF = float("nan"), float("inf")

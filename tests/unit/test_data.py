@@ -12,9 +12,10 @@ from dataclasses import replace
 import pytest
 from PIL import Image
 
-from spmd_grpo.config import DataConfig
-from spmd_grpo.data import load_dataset
-from spmd_grpo.tools.synthetic_data import color_task_examples, main, synthetic_geo3k_rows, write_parquet
+from spmd_grpo.config.schema import DataConfig
+from spmd_grpo.data.dataset import load_dataset
+from spmd_grpo.data.synthetic import color_task_examples, synthetic_geo3k_rows, write_parquet
+from spmd_grpo.tools.synthetic_data import main
 
 
 def _png(size=(56, 56), color=(10, 200, 30)) -> bytes:
@@ -50,7 +51,7 @@ def _rows_with_bad(n=50) -> tuple[list[dict], dict[int, str]]:
 def test_bad_rows_are_skipped_and_summarised(tmp_path, processor, caplog):
     rows, expected = _rows_with_bad()
     path = write_parquet(rows, tmp_path / "geo.parquet")
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(_cfg(path), processor)
     assert len(examples) == 45
     assert {e.index for e in examples} == set(range(50)) - set(expected)
@@ -102,7 +103,7 @@ def test_long_prompts_are_filtered_and_expansion_counted(tmp_path, processor, ca
     assert lengths[1] - lengths[0] > 90  # the 280x280 image counts as 100 tokens, not 1
 
     limit = lengths[0] + 5
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         kept = load_dataset(replace(cfg, max_prompt_length=limit), processor)
     assert [e.index for e in kept] == [i for i, n in lengths.items() if n <= limit] and 0 in [
         e.index for e in kept
@@ -178,7 +179,7 @@ def test_builtin_geo3k_and_cli(tmp_path, processor):
     )
 
     out = tmp_path / "d" / "geo.parquet"
-    # what `python -m spmd_grpo.tools.synthetic_data make-geo3k ...` runs
+    # what `python -m spmd_grpo.data.synthetic make-geo3k ...` runs
     main(["make-geo3k", str(out), "--rows", "5", "--seed", "1"])
     examples = load_dataset(_cfg(out), processor)
     assert len(examples) == 5 and all(e.data_source == "geo" for e in examples)

@@ -26,9 +26,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from spmd_grpo.config import DataConfig
-from spmd_grpo.data import MAX_NAMED_PER_REASON, load_dataset
-from spmd_grpo.tools.synthetic_data import synthetic_geo3k_rows, write_parquet
+from spmd_grpo.config.schema import DataConfig
+from spmd_grpo.data.dataset import load_dataset
+from spmd_grpo.data.sources import MAX_NAMED_PER_REASON
+from spmd_grpo.data.synthetic import synthetic_geo3k_rows, write_parquet
 from tests.conftest import tiny_model
 from tests.unit.test_data_streaming import split_load
 
@@ -98,7 +99,7 @@ def test_text_encodings(tmp_path, processor, caplog):
         pa.table({"problem": text, "answer": ["5", "6", "7"], "images": pa.array(images, IMAGES)}),
         tmp_path / "b_string.parquet",
     )
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(_cfg(tmp_path, max_bad_fraction=0.5), processor)
     assert [e.problem for e in examples] == [*odd, "<image>ok", "<image>ok too"]
     assert [e.index for e in examples] == [0, 1, 2, 4, 6]
@@ -126,7 +127,7 @@ def test_answers_of_every_type(tmp_path, processor, caplog):
         pq.write_table(
             pa.table({"problem": problems, "answer": column, "images": images}), tmp_path / f"{name}.parquet"
         )
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(_cfg(tmp_path, max_bad_fraction=1.0), processor)
     by_file = {}
     for example in examples:
@@ -162,7 +163,7 @@ def test_special_tokens_in_text_are_skipped(tmp_path, processor, caplog):
         rows[2 * i]["problem"] = f"<image>What does {token} mean?"
     rows[1]["problem"] = "<image>Near misses are text: <|im_start>, < |image_pad| >, <image_pad>?"
     path = write_parquet(rows, tmp_path / "s.parquet")
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(_cfg(path, max_bad_fraction=0.5), processor)
     assert [e.index for e in examples] == list(range(1, 12, 2))
     assert _skip_lines(caplog)[:-1] == [
@@ -191,7 +192,7 @@ def test_more_images_than_the_rollout_limit_are_skipped(tmp_path, processor, cap
     ]
     path = write_parquet(rows, tmp_path / "many.parquet")
     assert len(load_dataset(_cfg(path), processor)) == 6  # no limit given: every row
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(_cfg(path, max_bad_fraction=0.2), processor, limit_images=2)
     assert [e.index for e in examples] == [0, 1, 2, 4, 5]
     assert (
@@ -238,7 +239,7 @@ def test_images_of_every_mode(tmp_path, processor, caplog):
     path = write_parquet(rows, tmp_path / "modes.parquet")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no PIL warning per image (palette transparency, bombs)
-        with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+        with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
             examples = load_dataset(_cfg(path, max_bad_fraction=0.2), processor)
         got = {e.problem.removeprefix("<image>"): e.images[0] for e in examples}
     assert set(got) == set(modes) and not _skip_lines(caplog)
@@ -276,7 +277,7 @@ def test_image_sizes(tmp_path, processor, caplog):
     path = write_parquet(rows, tmp_path / "sizes.parquet")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+        with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
             examples = load_dataset(_cfg(path, max_bad_fraction=1.0), processor)
     assert [e.problem.removeprefix("<image>") for e in examples] == ["1x1", "1x27", "3x500"]
     low, high = DataConfig().min_pixels, DataConfig().max_pixels
@@ -295,7 +296,7 @@ def test_image_sizes(tmp_path, processor, caplog):
     # Under 16 image tokens, 3x500 has no size: smart_resize would floor its width to 0 (PIL fails on that).
     small = _cfg(path, max_bad_fraction=1.0, max_pixels=28 * 28 * 16)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(small, processor)
     assert [e.problem.removeprefix("<image>") for e in examples] == ["1x1", "1x27"]
     assert _skip_lines(caplog)[0] == (
@@ -338,7 +339,7 @@ def _directory_with_bad_files(d: Path) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_bad_files_in_a_directory_are_skipped(tmp_path, processor, caplog, world_size):
     _directory_with_bad_files(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         ranks = split_load(_cfg(tmp_path), processor, world_size) if world_size > 1 else None
         examples = ranks[0] if ranks else load_dataset(_cfg(tmp_path), processor)
     a, c = synthetic_geo3k_rows(14, seed=5)[:8], synthetic_geo3k_rows(14, seed=5)[8:]
@@ -375,7 +376,7 @@ def test_skip_log_names_a_few_rows_per_reason(tmp_path, processor, caplog):
     for i in (1, 3, 5):
         rows[i]["images"] = [b"broken"]
     path = write_parquet(rows, tmp_path / "many_bad.parquet")
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(_cfg(path, max_bad_fraction=0.5), processor)
     assert len(examples) == 57
     *named, summary = _skip_lines(caplog)

@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-import spmd_grpo.data as data
-from spmd_grpo.config import DataConfig
-from spmd_grpo.data import load_dataset
-from spmd_grpo.tools.synthetic_data import synthetic_geo3k_rows, write_parquet
+import spmd_grpo.data.sources as sources
+from spmd_grpo.config.schema import DataConfig
+from spmd_grpo.data.dataset import load_dataset
+from spmd_grpo.data.synthetic import synthetic_geo3k_rows, write_parquet
 
 
 def _png(size=(56, 56), color=(10, 200, 30), mode="RGB", fmt="PNG") -> bytes:
@@ -96,7 +96,7 @@ def _directory(tmp_path: Path) -> tuple[Path, dict[str, dict[int, str]]]:
 # ------------------------------------------------------------------------------------------ split load
 def test_directory_bad_rows_name_file_and_row(tmp_path, processor, caplog):
     d, expected = _directory(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(_cfg(d, max_bad_fraction=0.2), processor)
     bad = {
         21 * (f == "b.parquet") + 40 * (f == "c.parquet") + row
@@ -117,11 +117,11 @@ def test_directory_bad_rows_name_file_and_row(tmp_path, processor, caplog):
 def test_split_load_equals_single_process(tmp_path, processor, caplog, world_size):
     d, _ = _directory(tmp_path)
     cfg = _cfg(d, max_bad_fraction=0.2, max_prompt_length=100)
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         single = load_dataset(cfg, processor)
     single_logs = [r.getMessage() for r in caplog.records]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         ranks = split_load(cfg, processor, world_size)
     assert 0 < len(single) < 54  # bad rows skipped and some prompts too long
     assert all(_summary(r) == _summary(single) for r in ranks)
@@ -141,14 +141,14 @@ def test_too_many_bad_rows_fail_on_every_rank(tmp_path, processor):
 
 def test_a_read_error_on_one_rank_reaches_every_rank(tmp_path, processor, monkeypatch):
     d, _ = _directory(tmp_path)
-    read = data._ParquetRows.read
+    read = sources._ParquetRows.read
 
     def flaky(self, start, stop):
         if self.path.name == "c.parquet":
             raise OSError(errno.EIO, "Input/output error")  # the OS's, not a corrupt file's
         return read(self, start, stop)
 
-    monkeypatch.setattr(data._ParquetRows, "read", flaky)
+    monkeypatch.setattr(sources._ParquetRows, "read", flaky)
     rank0, rank1 = split_load(_cfg(d, max_bad_fraction=0.2), processor, 2)  # rank 1 reads rows 30..59
     assert isinstance(rank1, OSError)
     assert isinstance(rank0, ValueError)
@@ -229,8 +229,8 @@ def test_hub_dataset_is_read_raw_and_on_demand(processor, monkeypatch):
 
 def test_large_row_groups_are_warned_about(tmp_path, processor, caplog, monkeypatch):
     path = write_parquet(synthetic_geo3k_rows(8, seed=0), tmp_path / "big.parquet", row_group_size=8)
-    monkeypatch.setattr(data, "LARGE_ROW_GROUP_BYTES", 1000)
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data"):
+    monkeypatch.setattr(sources, "LARGE_ROW_GROUP_BYTES", 1000)
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         load_dataset(_cfg(path), processor)
     (message,) = [r.getMessage() for r in caplog.records if "row groups" in r.getMessage()]
     assert f"1 parquet file(s) have row groups with more than 0 MiB of images ({path}" in message

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spmd_grpo import distributed as D
+from spmd_grpo import parallel as D
 
 
 class FakeNpu(types.ModuleType):
@@ -142,7 +142,7 @@ def test_cuda_requested_without_cuda_is_a_clear_error(monkeypatch):
         D.resolve_device_type("cuda")
 
 
-# ---------------------------------------------------------------------- dtype rule (model.py)
+# ---------------------------------------------------------------------- dtype rule (models/build.py)
 @pytest.mark.parametrize(
     ("device_type", "ref_dtype", "param_dtype", "built", "gathered"),
     [
@@ -159,8 +159,8 @@ def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
 ):
     """The reference never exists in fp32 unless asked, and no sharded tensor of it is ever cast (the
     dtype it is built in is the dtype FSDP2 gathers); the policy always holds fp32 master weights."""
-    from spmd_grpo import model as M
-    from spmd_grpo.config import ActorConfig, FSDPConfig, RefConfig
+    from spmd_grpo.config.workers import ActorConfig, FSDPConfig, RefConfig
+    from spmd_grpo.models import build as M
 
     calls = []
 
@@ -177,10 +177,10 @@ def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
     assert calls == [(True, torch.float32, param_dtype, False), (False, built, gathered, True)]
 
 
-# ---------------------------------------------------------------------- weight push fallback (engine.py)
+# ---------------------------------------------------------------------- weight push fallback (rollout/engine.py)
 def test_weight_push_falls_back_to_load_weights_without_reload_weights():
     """vllm-ascend's worker has no `reload_weights`: the push goes straight into the model's load_weights."""
-    from spmd_grpo.engine import EngineStats, RolloutEngine
+    from spmd_grpo.rollout.engine import EngineStats, RolloutEngine
 
     received, resets = [], []
     model = SimpleNamespace(load_weights=lambda weights: received.extend(weights))

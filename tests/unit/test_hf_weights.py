@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from spmd_grpo.families import QWEN2_5_VL
-from spmd_grpo.hf_weights import load_safetensors_into, weight_files
+from spmd_grpo.models.families import QWEN2_5_VL
+from spmd_grpo.models.weights import load_safetensors_into, weight_files
 
 on_disk_name = QWEN2_5_VL.on_disk_name
 
@@ -99,7 +99,7 @@ def test_a_broken_file_is_named(tmp_path):
 
 def test_a_failed_read_names_the_file_and_the_tensor(tmp_path, monkeypatch):
     """DCP wraps a reader's error in a CheckpointException (a BaseException); it comes out a RuntimeError."""
-    from spmd_grpo.hf_weights import SliceReader
+    from spmd_grpo.models.weights import SliceReader
 
     def fail(*args):
         raise OSError("Input/output error")
@@ -123,7 +123,7 @@ def test_directories_without_weights_or_with_a_broken_index(tmp_path):
 
 
 def test_unknown_non_persistent_buffers_are_refused():
-    from spmd_grpo.model import init_non_persistent_buffers
+    from spmd_grpo.models.build import init_non_persistent_buffers
 
     class Odd(nn.Module):
         def __init__(self):

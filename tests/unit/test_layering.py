@@ -1,58 +1,72 @@
-"""Which modules may import which: every import inside spmd_grpo/ points to a LOWER layer (no cycles), and
-the RL math stays free of collectives. The same table is in the README's ARCHITECTURE section."""
+"""Which parts may import which: the package is a stack of subpackages, each importing only from the ones
+below it; inside a subpackage the modules import each other without cycles; the RL math stays free of
+collectives; nothing outside tests/ imports from tests/. The same stack is drawn in docs/architecture.md."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "spmd_grpo"
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "spmd_grpo"
 
 LAYERS = {
-    # 0: pure pieces, no spmd_grpo imports
-    "config": 0, "versions": 0, "advantage": 0, "loss": 0, "reward": 0, "correction": 0, "families": 0,
-    "attention": 0,
-    "tools.synthetic_data": 0,
-    # 1: the device/collective layer, trainer-side logprobs, data reading and sampling; the tiny-model builder
-    "tools.make_tiny_model": 1, "distributed": 1, "logprobs": 1, "data": 1, "sampler": 1, "hf_weights": 1,
-    # 2: the sample record, model building
-    "rollout": 2, "model": 2,
-    # 3: metrics, checkpoints, the vLLM engine and its weight stream
-    "metrics": 3, "checkpoint": 3, "engine": 3,
-    # 4: phases of a step; the loggers (console, jsonl, trackers); what a start does with the run directory
-    "update": 4, "dynamic_sampling": 4, "validation": 4, "loggers": 4, "resume": 4,
-    # 5: the loop, the planner, the exporter, the run report
-    "trainer": 5, "plan": 5, "export": 5, "report": 5,
-    # 6: entry points
-    "train": 6, "smoke": 6, "launch": 6,
+    # 0: plain Python and pure tensor math: no process group, no model
+    "config": 0, "algorithm": 0,
+    # 1: devices, collectives, signals
+    "parallel": 1,
+    # 2: the model: families, sharded build, weights, attention, forward pass
+    "models": 2,
+    # 3: data sets, prompts, per-rank sampling, the sample record
+    "data": 3,
+    # 4: metrics, loggers, the report
+    "telemetry": 4,
+    # 5: the two halves of the hybrid engine (neither imports the other)
+    "rollout": 5, "actor": 5,
+    # 6: checkpoints, start/resume decisions, export
+    "run": 6,
+    # 7: the loop and the dry-run planner; the developer tools
+    "trainer": 7, "dry_run": 7, "tools": 7,
+    # 8: thin entry points
+    "train": 8, "smoke": 8, "launch": 8, "export": 8, "report": 8,
 }  # fmt: skip
-PURE_MATH = ("advantage", "loss", "reward", "correction")
+PURE_MATH = "algorithm"
 
 
 def _module_name(path: Path) -> str:
-    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _part(module: str) -> str:
+    return module.split(".")[0]
 
 
 def _imports(path: Path) -> set[str]:
-    """spmd_grpo modules imported anywhere in `path` (top level or inside functions)."""
-    parts = _module_name(path).split(".")[:-1]  # the importing module's package, below spmd_grpo
+    """spmd_grpo modules (or packages) imported anywhere in `path` (top level or inside functions)."""
+    package = _module_name(path).split(".")
+    if path.stem != "__init__":
+        package = package[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = parts[: len(parts) - node.level + 1]
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, *filter(None, [node.module])])
             elif (node.module or "").split(".")[0] == "spmd_grpo":
-                base = []
-                node = ast.ImportFrom(
-                    module=node.module.removeprefix("spmd_grpo").lstrip("."), names=node.names
-                )
+                module = node.module.removeprefix("spmd_grpo").lstrip(".")
             else:
                 continue
-            prefix = ".".join([*base, *filter(None, [node.module])])
-            if prefix:
-                out.add(prefix)
-            else:  # `from . import distributed`
-                out.update(a.name for a in node.names)
+            if module:
+                out.add(module)
+            else:  # `from spmd_grpo import parallel` (but not `lazy_exports`, a function)
+                out.update(
+                    a.name
+                    for a in node.names
+                    if (PACKAGE / a.name).is_dir() or (PACKAGE / f"{a.name}.py").exists()
+                )
         elif isinstance(node, ast.Import):
             out.update(
                 a.name.removeprefix("spmd_grpo.") for a in node.names if a.name.startswith("spmd_grpo.")
@@ -60,30 +74,121 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_every_module_has_a_layer():
-    modules = {_module_name(p) for p in PACKAGE.rglob("*.py") if p.stem != "__init__"}
-    assert modules == set(LAYERS), (modules - set(LAYERS), set(LAYERS) - modules)
+SOURCES = {_module_name(p): p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py"}
 
 
-def test_imports_point_down():
-    upward = []
-    for path in PACKAGE.rglob("*.py"):
-        name = _module_name(path)
-        if name not in LAYERS:
-            continue
-        for target in _imports(path):
-            if target not in LAYERS or LAYERS[target] >= LAYERS[name]:
-                upward.append(f"{name} (layer {LAYERS[name]}) imports {target} (layer {LAYERS.get(target)})")
+def test_every_part_has_a_layer():
+    parts = {_part(m) for m in SOURCES}
+    assert parts == set(LAYERS), (parts - set(LAYERS), set(LAYERS) - parts)
+
+
+def test_imports_between_parts_point_down():
+    upward = [
+        f"{name} (layer {LAYERS[_part(name)]}) imports {target} (layer {LAYERS.get(_part(target))})"
+        for name, path in SOURCES.items()
+        for target in _imports(path)
+        if _part(target) != _part(name) and LAYERS.get(_part(target), 99) >= LAYERS[_part(name)]
+    ]
     assert not upward, upward
 
 
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_no_import_cycles_inside_a_part():
+    """A package's `__init__` re-exports its modules, so it is left out: the modules must not need it."""
+    graph = {
+        name: {t for t in _imports(path) if _part(t) == _part(name) and t in SOURCES and t != _part(name)}
+        for name, path in SOURCES.items()
+        if name != _part(name) or SOURCES[name].stem != "__init__"
+    }
+    assert _cycle(graph) is None, _cycle(graph)
+
+
+def test_modules_inside_a_part_do_not_import_its_init():
+    """`from spmd_grpo.data import X` inside data/ would run data/__init__ half-way through its own import."""
+    circular = [
+        name
+        for name, path in SOURCES.items()
+        if path.stem != "__init__" and "." in name and _part(name) in _imports(path)
+    ]
+    assert not circular, circular
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
 def test_rl_math_has_no_collectives():
-    for name in PURE_MATH:
-        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    for path in (PACKAGE / PURE_MATH).glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        tree = ast.parse(path.read_text())
         imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-        assert not [m for m in imported if m.startswith("torch.distributed")], name
+        assert not [m for m in imported if m.startswith(("torch.distributed", "spmd_grpo"))], path.name
         used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         collectives = {"distributed", "all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all"}
-        assert not used & collectives, (name, used & collectives)
+        assert not used & collectives, (path.name, used & collectives)
+
+
+@pytest.mark.parametrize("folder", ["spmd_grpo", "benchmarks"])
+def test_nothing_outside_tests_imports_tests(folder):
+    hits = []
+    for path in (REPO / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            hits += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] == "tests"]
+    assert not hits, hits
+
+
+def _defined(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def test_every_subpackage_says_what_it_owns_and_exports_names_its_modules_define():
+    for init in PACKAGE.glob("*/__init__.py"):
+        tree = ast.parse(init.read_text())
+        where = init.relative_to(REPO)
+        assert ast.get_docstring(tree), f"{where} has no docstring"
+        if init.parent.name == "tools":  # modules run with -m: nothing to re-export
+            continue
+        exports = [n for n in ast.walk(tree) if isinstance(n, ast.Dict)]
+        assert len(exports) == 1, f"{where}: expected one lazy_exports table"
+        for module, names in zip(exports[0].keys, exports[0].values, strict=True):
+            missing = {n.value for n in names.elts} - _defined(init.parent / f"{module.value}.py")
+            assert not missing, f"{where}: {module.value}.py does not define {missing}"
+        for module in init.parent.glob("*.py"):
+            public = {n for n in _defined(module) if not n.startswith("_")} - {"log", "logger", "main"}
+            assert (
+                module.stem == "__init__"
+                or not public
+                or any(k.value == module.stem for k in exports[0].keys)
+            ), f"{where} does not export {module.name}"

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spmd_grpo.config import ConfigError, dump_yaml, load_config, validate
-from spmd_grpo.loggers import build_loggers, markdown_table, mlflow_name
+from spmd_grpo.config.checks import ConfigError
+from spmd_grpo.config.loader import dump_yaml, load_config
+from spmd_grpo.config.validate import validate
+from spmd_grpo.telemetry.loggers import build_loggers, markdown_table, mlflow_name
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["worker.actor.model.model_path=/models/x"]

@@ -4,7 +4,8 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from spmd_grpo.logprobs import PolicyModule, collate, mrope_position_ids, unsamplable_token_ids
+from spmd_grpo.models.inputs import collate, mrope_position_ids
+from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from tests.conftest import tiny_model
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from spmd_grpo.loss import AGG_MODES, aggregate, kl_penalty, policy_loss
+from spmd_grpo.algorithm.loss import AGG_MODES, aggregate, kl_penalty, policy_loss
 
 CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
 

@@ -12,18 +12,18 @@ import pytest
 import torch
 from torch import nn
 
-from spmd_grpo.correction import CorrectionSpec
-from spmd_grpo.distributed import World
-from spmd_grpo.rollout import Prompt, Sample
-from spmd_grpo.update import (
-    UpdateSpec,
+from spmd_grpo.actor.logprob_pass import compute_logprobs
+from spmd_grpo.actor.micro_batches import (
     balanced_partitions,
-    compute_logprobs,
     length_sorted_partitions,
     micro_batches,
-    mini_batch_backward,
     padded_part_count,
 )
+from spmd_grpo.actor.spec import UpdateSpec
+from spmd_grpo.actor.update import mini_batch_backward
+from spmd_grpo.algorithm.correction import CorrectionSpec
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.parallel.collectives import World
 from tests.unit.bigram import BigramPolicy
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
@@ -185,16 +185,16 @@ def test_padding_micro_batches_add_nothing():
     samples = make_samples(BASE, policy)[:2]
     spec = dataclasses.replace(BASE, micro_batch_size=1)
     sums_ref, grad_ref = backward(policy, samples, spec)
-    import spmd_grpo.update as update
+    import spmd_grpo.actor.micro_batches as micro_batches_module
 
-    real = update.all_reduce_max
-    update.all_reduce_max = lambda t: t + 3  # as if another rank needed 3 more micro-batches
+    real = micro_batches_module.all_reduce_max
+    micro_batches_module.all_reduce_max = lambda t: t + 3  # as if another rank needed 3 more micro-batches
     try:
         dyn = dataclasses.replace(spec, dynamic_batching=True, max_token_len_for_update=1)
         sums, grad = backward(policy, samples, dyn)
         lps = compute_logprobs(policy, samples, dataclasses.replace(dyn, max_token_len_for_experience=1))
     finally:
-        update.all_reduce_max = real
+        micro_batches_module.all_reduce_max = real
     assert sums["train/num_micro_batches"][0] == 5 and sums_ref["train/num_micro_batches"][0] == 2
     torch.testing.assert_close(grad, grad_ref, rtol=1e-6, atol=0)
     assert sums["actor/pg_loss"][0] == pytest.approx(sums_ref["actor/pg_loss"][0], rel=1e-6)

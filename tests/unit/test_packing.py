@@ -15,13 +15,17 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from spmd_grpo import attention as attention_module
-from spmd_grpo import model as model_module
-from spmd_grpo.attention import VARLEN_SDPA
-from spmd_grpo.config import ConfigError, load_config
-from spmd_grpo.logprobs import ImageBatch, PolicyModule, collate, mrope_position_ids, unsamplable_token_ids
-from spmd_grpo.rollout import Prompt, Sample
-from spmd_grpo.update import UpdateSpec, _dummy_image, compute_logprobs, encode_images
+from spmd_grpo.actor.image_features import dummy_image, encode_images
+from spmd_grpo.actor.logprob_pass import compute_logprobs
+from spmd_grpo.actor.spec import UpdateSpec
+from spmd_grpo.config.checks import ConfigError
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.models import attention as attention_module
+from spmd_grpo.models import build as model_module
+from spmd_grpo.models.attention import VARLEN_SDPA
+from spmd_grpo.models.inputs import ImageBatch, collate, mrope_position_ids
+from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from tests.conftest import tiny_model
 
 # (image sizes of the prompt, response length) per sequence; a response token list is made from its length.
@@ -86,7 +90,7 @@ def _assert_same_grads(a: dict, b: dict) -> None:
 @pytest.fixture(params=["sdpa", VARLEN_SDPA])
 def attention(request, tiny):
     """The tiny policy with transformers' sdpa (a packed row gets a dense block-diagonal mask) or the
-    per-sequence varlen sdpa (`spmd_grpo.attention`, what padding_free=auto packs with on the CPU)."""
+    per-sequence varlen sdpa (`spmd_grpo.models.attention`, what padding_free=auto packs with on the CPU)."""
     _, policy = tiny
     policy.hf.set_attn_implementation(request.param)
     yield request.param
@@ -254,7 +258,7 @@ def test_a_trained_tower_encodes_once_per_forward_only_pass_and_keeps_nothing(ti
 def test_dummy_image_runs_through_the_tower(tiny):
     _, policy = tiny
     with torch.no_grad():
-        (features,) = policy(_dummy_image(policy.config))
+        (features,) = policy(dummy_image(policy.config))
     assert features.shape == (1, policy.config.text_config.hidden_size)
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from spmd_grpo.config import load_config
-from spmd_grpo.plan import dry_run
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.dry_run import dry_run
 from spmd_grpo.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd_grpo.report import PANELS, main, read_metrics, series, summary
+from spmd_grpo.telemetry.report import PANELS, main, read_metrics, series, summary
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""What a start does with its run directory (spmd_grpo/resume.py), in process on real files: a new run into a
+"""What a start does with its run directory (spmd_grpo/run/start.py), in process on real files: a new run into a
 directory holding a run is refused before anything is written; a resume whose config changes what the saved
 state means is refused with the override that allows it, other changes are reported; a directory whose
 checkpoints are all damaged is not silently restarted; the CLI turns each refusal into one line and exit 2."""
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmd_grpo.config import ConfigError, dump_yaml, load_config
-from spmd_grpo.resume import (
+from spmd_grpo.config.checks import ConfigError
+from spmd_grpo.config.loader import dump_yaml, load_config
+from spmd_grpo.run.start import (
     MEANING_CHANGING,
     ConfigChange,
     diff_configs,
@@ -89,7 +90,7 @@ def test_every_meaning_changing_key_exists():
 
 
 def plain_config_keys() -> list[str]:
-    from spmd_grpo.resume import flatten
+    from spmd_grpo.run.start import flatten
 
     return list(flatten(plain_config(load_config(None, BASE))))
 

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from spmd_grpo.config import BUILTIN_REWARDS
-from spmd_grpo.reward import (
+from spmd_grpo.algorithm.reward import (
     _BUILTIN_REWARDS,
     RewardError,
     load_reward_function,
@@ -12,6 +11,7 @@ from spmd_grpo.reward import (
     overlong_penalty,
     score_samples,
 )
+from spmd_grpo.config.checks import BUILTIN_REWARDS
 
 
 def sample(response: str, ground_truth: str = "4", **extra) -> dict:

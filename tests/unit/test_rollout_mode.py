@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-import spmd_grpo.engine as engine_mod
-from spmd_grpo.config import RolloutConfig
-from spmd_grpo.engine import RolloutEngine
+import spmd_grpo.rollout.engine as engine_mod
+from spmd_grpo.config.workers import RolloutConfig
+from spmd_grpo.rollout.engine import RolloutEngine
 
 
 class Policy(nn.Module):

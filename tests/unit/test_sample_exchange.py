@@ -4,8 +4,8 @@ segment unpacks to the same samples, in process (the exchange under torchrun: te
 import numpy as np
 import torch
 
-from spmd_grpo import dynamic_sampling as ds
-from spmd_grpo.rollout import Sample
+from spmd_grpo.data.samples import Sample
+from spmd_grpo.rollout import sample_exchange as ds
 from tests.jobs.dapo_rebalance import compare, synthetic_group
 
 
@@ -40,7 +40,7 @@ def test_pixel_values_after_rebalancing_follow_the_prompt_not_its_uid():
     """After rebalancing a rank can hold uid 3 of two generation batches: two prompts, two images."""
     from transformers import Qwen2VLImageProcessor
 
-    from spmd_grpo.rollout import attach_pixel_values
+    from spmd_grpo.rollout.generate import attach_pixel_values
 
     rng = np.random.default_rng(1)
     samples = synthetic_group(3, 0, 2, [(56, 28)], rng, pixel_values=False)

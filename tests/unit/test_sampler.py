@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spmd_grpo.sampler import PromptSampler
+from spmd_grpo.data.sampler import PromptSampler
 
 
 def _step(samplers: list[PromptSampler]) -> list[list[tuple[int, int]]]:

@@ -1,7 +1,7 @@
 """`data.val_batch_size`: validation generates in batches of that many prompts over all ranks, and every rank
 runs the same number of batches (the ranks of a TP group gather each batch together, so unequal counts hang)."""
 
-from spmd_grpo.validation import _batches
+from spmd_grpo.rollout.validation import _batches
 
 
 def test_whole_set_in_one_batch_by_default():

@@ -7,7 +7,13 @@ import sys
 
 import pytest
 
-from spmd_grpo.versions import SUPPORTED, VersionError, check_versions, installed_versions, version_line
+from spmd_grpo.config.versions import (
+    SUPPORTED,
+    VersionError,
+    check_versions,
+    installed_versions,
+    version_line,
+)
 from tests.conftest import REPO
 
 GOOD = {"torch": "2.13.0", "transformers": "5.19.0", "vllm": "0.32.0"}
@@ -64,7 +70,7 @@ def test_cli_stops_before_any_work(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "version error: vllm 0.11.0 is outside the tested range >=0.32,<0.33 "
-        "(see spmd_grpo/versions.py; SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1 to try anyway)"
+        "(see spmd_grpo/config/versions.py; SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1 to try anyway)"
     ]
 
 

@@ -1,0 +1,316 @@
+"""The policy update: forward-only logprobs in micro-batches, and PPO-clip steps over mini-batches.
+
+Shapes: b = micro-batch size per rank, R = longest response in the micro-batch.
+
+Global normalisation: before each mini-batch the ranks all-reduce its number of valid response tokens and
+sequences; every micro-batch's loss is its contribution to that GLOBAL aggregate (loss.aggregate), so the
+gradient does not depend on how the mini-batch is split into micro-batches or ranks. FSDP2 averages
+gradients over ranks; the loss is multiplied by the world size to turn that average into the sum.
+
+Every setting the update reads travels as one frozen `UpdateSpec`, resolved from the config once; every
+per-sample input (old and reference logprobs, advantage) is a field of the `Sample` record.
+
+Rollout correction (algorithm/correction.py, `algorithm.rollout_correction`): each mini-batch's IS weights and
+rejection mask are computed from the samples' old and vLLM logprobs before its token counts are all-reduced;
+rejected tokens leave the mask of the policy, entropy and KL terms and the global counts (verl's choice), the
+policy-gradient loss of the kept tokens is multiplied by the weights. Its metrics are computed once per step
+over all samples.
+
+Token-budget micro-batches (`worker.actor.dynamic_batching`, EasyR1/verl's `max_token_len_per_device_*`):
+a rank's samples are split into k = ceil(its prompt+response tokens / budget) micro-batches (at most one per
+sample), k is all-reduced with MAX, and the samples are partitioned into k parts of balanced token sums by
+Karmarkar-Karp's largest differencing method (verl's `rearrange_micro_batches` with
+`get_seqlen_balanced_partitions(..., equal_size=False)`; like verl, a part is not checked against the budget,
+and parts are kept in the order of their first sample instead of verl's workload-sorted order). A rank with
+fewer non-empty parts than k runs the missing ones as padding: a forward/backward of one of its own samples
+with zero loss weight, so every rank runs the same number of FSDP forward/backward calls (verl instead
+requires k <= number of samples and asserts that no part is empty). That balance is right for packed
+(padding-free) micro-batches, whose cost follows their token sum; a right-padded micro-batch costs
+(count x longest), and balanced parts would each hold a long sample and pad every part to it, so without
+packing the k parts are runs of the length-sorted samples instead (`length_sorted_partitions`, minimising
+the largest padded part; a deviation from verl, which always packs). The losses keep their global
+normalisation, so the gradient does not depend on the partition.
+
+One rank on the CPU (`_accumulate_unsharded`): the parameters are gathered once per mini-batch and the gradient
+reduced once, after its last micro-batch, instead of FSDP's re-gather in every micro-batch's forward and
+backward and a reduction per micro-batch (the same sum of the same micro-batch gradients).
+
+Old logprobs from the update's forward (`worker.actor.old_logprobs_from_update`, as TRL does): when the step
+is exactly on-policy (one mini-batch per step, one epoch, no rejection sampling, which needs the old
+logprobs before the first forward to count the kept tokens), pi_old IS the policy of the update's only
+forward, so old = logprobs.detach() there and the separate forward-only pass is skipped (the samples'
+`old_logprobs` are set from it for the metrics and the rollout correction's IS weights, computed per
+micro-batch). Where a separate pass runs the same micro-batches, its logprobs are bit-identical to the
+update's forward, and so are the losses and the gradient (tested under FSDP2 on 2 ranks); with other
+experience micro-batches they differ by rounding only. With more mini-batches or epochs the policy moves
+before later samples are used, and the separate pass is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+from torch import nn
+
+from spmd_grpo.actor.micro_batches import collate_for, micro_batches, pad_rows, uses_packing
+from spmd_grpo.actor.optimizer import clip_grad_norm
+from spmd_grpo.actor.spec import MetricSums, UpdateSpec
+from spmd_grpo.algorithm.correction import Correction, rollout_correction
+from spmd_grpo.algorithm.loss import aggregate, kl_penalty, policy_loss
+from spmd_grpo.data.samples import Sample
+from spmd_grpo.parallel.collectives import World, all_reduce_max, all_reduce_min, all_reduce_sum
+from spmd_grpo.telemetry.metrics import global_means
+
+log = logging.getLogger(__name__)
+
+
+def _add(sums: MetricSums, name: str, total: float, count: float) -> None:
+    s, c = sums.get(name, (0.0, 0.0))
+    sums[name] = (s + total, c + count)
+
+
+def padded_correction(samples: list[Sample], spec: UpdateSpec) -> Correction | None:
+    """The rollout correction of `samples`, [len(samples), longest response] on CPU; None when it is off."""
+    if not spec.rollout_correction.enabled:
+        return None
+    width = max([len(s.response_ids) for s in samples] + [1])  # collate's response width
+    old = pad_rows([s.old_logprobs for s in samples], width, torch.device("cpu"))
+    vllm = pad_rows([torch.tensor(s.rollout_logprobs) for s in samples], width, torch.device("cpu"))
+    mask = pad_rows([torch.ones(len(s.response_ids)) for s in samples], width, torch.device("cpu"))
+    return rollout_correction(old, vllm, mask, spec.rollout_correction)
+
+
+def _train_mask(
+    response_mask: torch.Tensor, correction: Correction | None, spec: UpdateSpec
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mask of the tokens to train on, IS weights or None): `correction` holds this micro-batch's rows."""
+    if correction is None:
+        return response_mask, None
+    width, device = response_mask.shape[1], response_mask.device
+    keep = correction.keep[:, :width].to(device)
+    weights = correction.weights[:, :width].to(device) if spec.rollout_correction.rollout_is else None
+    return response_mask * keep, weights
+
+
+def _index_rows(correction: Correction | None, rows: list[int]) -> Correction | None:
+    """The micro-batch `rows` of a mini-batch's correction (metric sums kept as they are: unused here)."""
+    if correction is None or not rows:
+        return None
+    index = torch.tensor(rows, dtype=torch.long)
+    return dataclasses.replace(correction, weights=correction.weights[index], keep=correction.keep[index])
+
+
+def _old_from_forward(samples: list[Sample], logprobs: torch.Tensor, spec: UpdateSpec, *, store: bool):
+    """Old logprobs taken detached from the update's own forward ([b, R]) and this micro-batch's rollout
+    correction from them; with `store` they become the samples' `old_logprobs` (for the metrics)."""
+    old = logprobs.detach()
+    if store:
+        for i, s in enumerate(samples):
+            s.old_logprobs = old[i, : len(s.response_ids)].float().cpu()
+    return old, padded_correction(samples, spec) if store else None
+
+
+def _micro_batch_loss(
+    policy: nn.Module,
+    samples: list[Sample],
+    spec: UpdateSpec,
+    agg: dict,
+    sums: MetricSums,
+    correction: Correction | None = None,
+    *,
+    old_from_forward: bool = False,
+    padding: bool = False,
+) -> torch.Tensor:
+    """This micro-batch's share of the global mini-batch loss; adds its metric sums to `sums`.
+
+    `old_from_forward`: the old logprobs (and the rollout correction) come from this forward, detached.
+    `padding`: a zero-weight micro-batch that only keeps the ranks' forward/backward counts equal.
+    """
+    device = next(policy.parameters()).device
+    batch = collate_for(policy, samples, spec)
+    logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
+    width = batch.response_mask.shape[1]
+    if old_from_forward or padding:
+        old, correction = _old_from_forward(samples, logprobs, spec, store=not padding)
+    else:
+        old = pad_rows([s.old_logprobs for s in samples], width, device)
+    mask, is_weights = _train_mask(batch.response_mask, correction, spec)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    adv = advantages.to(device)[:, None].expand_as(mask) * mask
+    pg_loss, pg_metrics = policy_loss(
+        logprobs,
+        old,
+        adv,
+        mask,
+        clip_ratio_low=spec.clip_ratio_low,
+        clip_ratio_high=spec.clip_ratio_high,
+        clip_ratio_dual=spec.clip_ratio_dual,
+        loss_mode=spec.loss_mode,
+        loss_agg_mode=spec.loss_agg_mode,
+        rollout_is_weights=is_weights,
+        **agg,
+    )
+    loss = pg_loss
+    entropy_agg = aggregate(entropy, mask, spec.loss_agg_mode, **agg)
+    if spec.entropy_coef != 0:
+        loss = loss - spec.entropy_coef * entropy_agg
+    if spec.use_kl_loss:
+        ref = pad_rows([s.ref_logprobs for s in samples], width, device)
+        kl_agg = aggregate(kl_penalty(logprobs, ref, spec.kl_penalty), mask, spec.loss_agg_mode, **agg)
+        loss = loss + spec.kl_coef * kl_agg
+        _add(sums, "actor/kl_loss", kl_agg.item(), 0.0)
+    # pg_loss etc. are shares of the global mini-batch value: summed over micro-batches and ranks they
+    # give it; the caller adds a count of 1 per mini-batch (on rank 0) to average over mini-batches.
+    _add(sums, "actor/pg_loss", pg_loss.item(), 0.0)
+    _add(sums, "actor/entropy", entropy_agg.item(), 0.0)
+    for name, (total, count) in pg_metrics.items():
+        _add(sums, f"actor/{name}", float(total), float(count))
+    return loss * 0.0 if padding else loss
+
+
+def _global_counts(samples: list[Sample], correction: Correction | None, spec: UpdateSpec) -> dict:
+    """The mini-batch's global token and sequence counts (all ranks; rejected tokens not counted)."""
+    if correction is None:
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    else:
+        lengths = correction.keep.sum(dim=-1).double()
+    counts = all_reduce_sum(
+        torch.tensor([lengths.sum().item(), float((lengths > 0).sum())], dtype=torch.float64)
+    )
+    return dict(
+        num_global_tokens=max(counts[0].item(), 1.0),
+        num_global_seqs=max(counts[1].item(), 1.0),
+        max_response_length=spec.max_response_length,
+    )
+
+
+def mini_batch_backward(
+    policy: nn.Module,
+    samples: list[Sample],
+    spec: UpdateSpec,
+    world: World,
+    *,
+    old_from_forward: bool = False,
+) -> MetricSums:
+    """Accumulate the gradient of one mini-batch (this rank's `samples`) in micro-batches.
+
+    Returns metric sums {name: (local sum, local count)} plus `train/num_micro_batches` (forward/backward
+    calls, padding included). The loss contributions are shares of the global mini-batch value, so the
+    gradient is the same for any micro-batch split and any world size. With `old_from_forward` the samples'
+    old logprobs are taken from this forward (exactly on-policy steps only; no rejection sampling).
+    """
+    if old_from_forward and spec.rollout_correction.rollout_rs is not None:
+        raise ValueError("old logprobs from the update's forward cannot be used with rollout_rs")
+    correction = None if old_from_forward else padded_correction(samples, spec)
+    agg = _global_counts(samples, correction, spec)
+    sums: MetricSums = {}
+    plan = micro_batches(samples, spec, for_update=True, padded=not uses_packing(policy))
+    local = (
+        world.world_size == 1 and world.device_type == "cpu" and hasattr(policy, "set_requires_gradient_sync")
+    )
+    for k, rows in enumerate(plan):
+        if local:
+            _accumulate_unsharded(policy, first=k == 0, last=k == len(plan) - 1)
+        loss = _micro_batch_loss(
+            policy,
+            [samples[i] for i in rows] or samples[:1],
+            spec,
+            agg,
+            sums if rows else {},
+            _index_rows(correction, rows),
+            old_from_forward=old_from_forward,
+            padding=not rows,
+        )
+        (loss * world.world_size).backward()
+    if local:
+        policy.set_reshard_after_forward(True)
+    sums["train/num_micro_batches"] = (float(len(plan)), 0.0)
+    return sums
+
+
+def _accumulate_unsharded(policy: nn.Module, *, first: bool, last: bool) -> None:
+    """World of one (the shard is the whole model): gather the parameters once per mini-batch and reduce
+    the gradient once, after its last micro-batch, instead of per micro-batch.
+
+    With FSDP's defaults every micro-batch re-gathers (copies, and casts to param_dtype) the whole model in
+    its forward and again in its backward, and copies its gradient out (cast to reduce_dtype) to add it
+    to the sharded one: pure overhead on one rank. Here the gathered copy stays between micro-batches and
+    FSDP accumulates the unsharded gradient in reduce_dtype (fp32), which it reduces once: the same sum of
+    the same micro-batch gradients. Several ranks keep the per-micro-batch reduction (the unsharded
+    gradient of the whole model would not fit next to the shards on large models).
+
+    CPU only: it holds the whole model gathered through the mini-batch's backward and an unsharded fp32
+    gradient beside the sharded one, +2 + 4 bytes per parameter at the peak (Qwen2.5-VL-3B: +22 GB). On one
+    accelerator memory is what limits, and the per-micro-batch gather it saves is a copy at device memory
+    bandwidth (a few ms per micro-batch for 3B); on the CPU, where the smoke test and the benchmarks run, the
+    copies and concatenations it removes were about a tenth of the update's profiled op time
+    (benchmarks/README.md)."""
+    if first:
+        policy.set_reshard_after_forward(False)
+    policy.set_requires_gradient_sync(last)
+    policy.set_reshard_after_backward(last)
+
+
+def _optimizer_step(policy: nn.Module, optim, spec: UpdateSpec) -> tuple[float, float]:
+    """Clip by the global norm and step (skipped on a non-finite norm); returns (grad norm, lr)."""
+    grad_norm = clip_grad_norm(policy, spec.max_grad_norm)
+    lr = optim.scheduler.get_last_lr()[0]
+    if math.isfinite(grad_norm):
+        optim.optimizer.step()
+    else:
+        log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+    optim.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
+def update_policy(
+    policy: nn.Module, optim, samples: list[Sample], spec: UpdateSpec, world: World
+) -> dict[str, float]:
+    """ppo_epochs x mini-batches (global_batch_size samples over all ranks) x micro-batches; returns metrics.
+
+    When `spec.old_logprobs_in_update(len(samples))`, the samples' old logprobs are set here (from the
+    update's forward) and the caller skips the forward-only pass."""
+    sums: MetricSums = {}
+    grad_norms, lrs = [], []
+    num_micro_batches = 0
+    old_from_forward = spec.old_logprobs_in_update(len(samples))
+    for _ in range(spec.ppo_epochs):
+        for start in range(0, len(samples), spec.mini_batch_size):
+            mini = samples[start : start + spec.mini_batch_size]
+            optim.optimizer.zero_grad(set_to_none=True)
+            mini_sums = mini_batch_backward(policy, mini, spec, world, old_from_forward=old_from_forward)
+            num_micro_batches += int(mini_sums.pop("train/num_micro_batches")[0])
+            for name, (total, count) in mini_sums.items():
+                if name in ("actor/pg_loss", "actor/entropy", "actor/kl_loss") and world.rank == 0:
+                    count += 1.0
+                _add(sums, name, total, count)
+            grad_norm, lr = _optimizer_step(policy, optim, spec)
+            grad_norms.append(grad_norm)
+            lrs.append(lr)
+    optim.scheduler.step()
+    metrics = global_means(sums)
+    metrics.update(correction_metrics(samples, spec))
+    metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["actor/lr"] = lrs[-1]
+    # Every rank must run the same number of forward/backward passes (else FSDP collectives hang): logged.
+    count = torch.tensor([float(num_micro_batches)])
+    metrics["train/num_micro_batches_min"] = float(all_reduce_min(count))
+    metrics["train/num_micro_batches_max"] = float(all_reduce_max(count))
+    if spec.use_kl_loss:
+        metrics["actor/kl_coef"] = spec.kl_coef
+    return metrics
+
+
+def correction_metrics(samples: list[Sample], spec: UpdateSpec) -> dict[str, float]:
+    """`rollout_corr/*` over every rank's `samples` (empty when the correction is off); collective."""
+    correction = padded_correction(samples, spec)
+    if correction is None:
+        return {}
+    metrics = global_means(correction.sums)
+    names = sorted(correction.maxima)
+    maxima = all_reduce_max(torch.tensor([correction.maxima[n] for n in names], dtype=torch.float64))
+    metrics.update(zip(names, maxima.tolist(), strict=True))
+    return metrics

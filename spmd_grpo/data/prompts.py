@@ -1,0 +1,124 @@
+"""Prompts: the chat messages of a row (text split at `<image>` markers), the optional jinja format template
+(`data.format_prompt`), the processor's pixel bounds, and `Prompting`, which tokenizes a row the way vLLM
+and the trainer both see it (one `<|image_pad|>` per image; vLLM expands it).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spmd_grpo.config.schema import DataConfig
+from spmd_grpo.data.images import IMAGE_FACTOR, BadRow
+
+logger = logging.getLogger(__name__)
+
+
+IMAGE_MARKER = "<image>"
+
+
+# ------------------------------------------------------------------------------------------ rows -> examples
+def chat_messages(text: str, cfg: DataConfig) -> list[dict]:
+    if IMAGE_MARKER in text:
+        content: str | list[dict] = []
+        for i, piece in enumerate(text.split(IMAGE_MARKER)):
+            if i > 0:
+                content.append({"type": "image"})
+            if piece:
+                content.append({"type": "text", "text": piece})
+    else:
+        content = text  # a plain string renders with text-only chat templates too
+    messages = [{"role": "user", "content": content}]
+    if cfg.system_prompt:
+        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    return messages
+
+
+def _image_processor_bounds(processor) -> tuple[int | None, int | None, int]:
+    """(min_pixels, max_pixels, tokens-per-side factor) of the processor's image resize, where it says."""
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None:
+        return None, None, IMAGE_FACTOR
+    factor = getattr(image_processor, "patch_size", 14) * getattr(image_processor, "merge_size", 2)
+    size = getattr(image_processor, "size", None)
+    size = dict(size.items()) if hasattr(size, "items") else {}
+    low = getattr(image_processor, "min_pixels", None) or size.get("min_pixels") or size.get("shortest_edge")
+    high = getattr(image_processor, "max_pixels", None) or size.get("max_pixels") or size.get("longest_edge")
+    return low, high, factor
+
+
+def _load_template(cfg: DataConfig):
+    if cfg.format_prompt is None:
+        return None
+    import jinja2
+
+    path = Path(cfg.format_prompt).expanduser()
+    if not path.is_file():
+        raise ValueError(f"data.format_prompt: no such file {cfg.format_prompt}")
+    return jinja2.Template(path.read_text())
+
+
+def _special_tokens(tokenizer) -> re.Pattern | None:
+    """A pattern matching any of the tokenizer's special tokens written as text (longest first)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    tokens = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    tokens |= set(getattr(tokenizer, "all_special_tokens", None) or ())
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """What turns a row into a checked, tokenized prompt, the same for every row of one `load_dataset` call."""
+
+    cfg: DataConfig
+    processor: Any
+    tokenizer: Any
+    template: Any  # jinja2.Template of data.format_prompt, or None
+    image_pad_id: int
+    factor: int  # pixels per image-token side of the processor's resize
+    special_tokens: re.Pattern | None  # the tokenizer's special tokens as text
+    limit_images: int | None  # most images per prompt the rollout engine accepts
+
+    @classmethod
+    def for_load(cls, cfg: DataConfig, processor, limit_images: int | None, *, log: bool) -> Prompting:
+        tokenizer = getattr(processor, "tokenizer", processor)
+        image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        proc_min, proc_max, factor = _image_processor_bounds(processor)
+        if log and ((proc_min and cfg.min_pixels < proc_min) or (proc_max and cfg.max_pixels > proc_max)):
+            logger.warning(
+                "data.min_pixels/max_pixels [%d, %d] exceed the processor's [%s, %s]: the processor will "
+                "resize images again and num_prompt_tokens will not match its expansion",
+                cfg.min_pixels,
+                cfg.max_pixels,
+                proc_min,
+                proc_max,
+            )
+        special = _special_tokens(tokenizer)
+        found = special.search(cfg.system_prompt) if special and cfg.system_prompt else None
+        if found:
+            raise ValueError(f"data.system_prompt contains the special token {found.group()!r}")
+        template = _load_template(cfg)
+        return cls(cfg, processor, tokenizer, template, image_pad_id, factor, special, limit_images)
+
+
+def check_text(text: str, num_images: int, prompting: Prompting) -> None:
+    """The prompt text against what vLLM and the chat template need: no special tokens written as text (they
+    would end the user turn early or add vision tokens vLLM has no image for), one `<image>` per image, no
+    more images than the rollout engine takes (vLLM rejects the request: the whole generate call fails)."""
+    found = prompting.special_tokens.search(text) if prompting.special_tokens else None
+    if found:
+        raise BadRow("text contains a special token", repr(found.group()))
+    num_markers = text.count(IMAGE_MARKER)
+    if num_markers != num_images:
+        raise BadRow(
+            f"{IMAGE_MARKER} markers do not match images", f"{num_markers} markers, {num_images} images"
+        )
+    if prompting.limit_images is not None and num_images > prompting.limit_images:
+        raise BadRow(
+            "more images than worker.rollout.limit_images", f"{num_images} > {prompting.limit_images}"
+        )

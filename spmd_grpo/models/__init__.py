@@ -1,0 +1,78 @@
+"""The policy model: families, building it sharded, loading weights, attention, and the forward pass.
+
+    families.py   what differs between Qwen2-VL, Qwen2.5-VL and Qwen3-VL (classes, towers, published sizes)
+    build.py      build a policy or reference model sharded from the start (meta init -> FSDP2 -> shard-true load)
+    weights.py    read each rank's slice of a safetensors checkpoint; FSDP -> Hugging Face parameter names
+    attention.py  which attention kernel runs packed sequences, and the CPU variable-length sdpa path
+    inputs.py     a micro-batch as the model takes it: padded or packed rows, image inputs, mrope positions
+    policy.py     `PolicyModule`: logprobs and entropy of the response tokens, chunked over the vocabulary
+
+The names below are imported on first use, so importing one module of the package stays light.
+"""
+
+from spmd_grpo import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "attention": (
+            "VARLEN_SDPA",
+            "sequence_bounds",
+            "varlen_sdpa_forward",
+            "varlen_sdpa_mask",
+            "varlen_attention",
+        ),
+        "build": (
+            "DTYPES",
+            "HUB_PATTERNS",
+            "resolve_dtype",
+            "reference_dtype",
+            "model_dir",
+            "decoder_layers",
+            "vision_blocks",
+            "shard_model",
+            "attention_setup",
+            "hf_config",
+            "meta_hf_model",
+            "init_non_persistent_buffers",
+            "fill_from_checkpoint",
+            "build_sharded",
+            "build_policy",
+            "build_reference",
+        ),
+        "families": (
+            "Published",
+            "Family",
+            "QWEN2_VL",
+            "QWEN2_5_VL",
+            "QWEN3_VL",
+            "FAMILIES",
+            "SIZES_B",
+            "PUBLISHED",
+            "supported",
+            "family_for_type",
+            "family_of",
+            "family_of_model_path",
+        ),
+        "inputs": (
+            "SequenceBatch",
+            "ImageBatch",
+            "collate",
+            "mrope_position_ids",
+            "response_token_index",
+        ),
+        "policy": (
+            "VISION_TOKEN_KEYS",
+            "unsamplable_token_ids",
+            "PolicyModule",
+        ),
+        "weights": (
+            "INDEX",
+            "SAFETENSORS_DTYPES",
+            "weight_files",
+            "SliceReader",
+            "load_safetensors_into",
+            "hf_name",
+        ),
+    },
+)

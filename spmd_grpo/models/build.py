@@ -1,0 +1,229 @@
+"""Policy and reference models: build a Qwen-VL model sharded from the start, FSDP2, optimizer and LR schedule.
+
+Which layers are sharded, which tower is frozen and how checkpoint names map is asked of the model's family
+(`families.family_of`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL); an unsupported model_type fails before anything is
+built.
+
+No rank ever holds a whole model. Each model is built on the meta device (no memory) from its config.json,
+frozen / wrapped for activation checkpointing, sharded with `fully_shard` (per vision block and per language
+decoder layer, then the root: torchtitan's `parallelize` order), given uninitialised local shards
+(`to_empty`), and then filled from the checkpoint's safetensors by `weights.load_safetensors_into`:
+`torch.distributed.checkpoint` plans which rows of which tensor each rank owns and every rank reads only
+those rows (see weights.py for why that mechanism), so the transient beyond a rank's shards is one slice of
+one tensor. What the checkpoint does not hold is restored here: the tied `lm_head` (the tie survives meta
+construction and sharding; its key is left out of the load) and the non-persistent buffers (the text and the
+vision rotary `inv_freq`, which `to_empty` leaves as garbage), recomputed from the config with transformers'
+own `_init_weights`. A hub id is first resolved to its local snapshot (`*.json` + `*.safetensors`).
+
+The policy keeps fp32 master weights on every device (AdamW steps on them, as verl); FSDP2's
+MixedPrecisionPolicy gathers `fsdp.param_dtype` copies (bf16 on accelerators) and reduces gradients in
+`fsdp.reduce_dtype`. The frozen reference is built directly in `worker.ref.dtype` (auto: the policy's resolved
+param_dtype) and runs in that dtype: it never exists in fp32 unless asked. With the default that gives the
+same numbers as an fp32 reference cast at the all-gather (both round the same fp32 values once), at half the
+memory, and no sharded tensor is ever cast (torch_npu cannot cast sharded DTensors).
+
+Memory at load, Qwen2.5-VL-32B (33.45B parameters: 133.8 GB in fp32, 66.9 GB in bf16) on 8 ranks:
+  * before (every rank `from_pretrained(fp32).to(device)`, then `fully_shard`; the reference again): 133.8 GB
+    of host memory per rank (1.07 TB on an 8-rank node) and 133.8 GB on each 80 GB device: the job dies at
+    load.
+  * after: device 133.8 / 8 = 16.7 GB (policy, fp32) + 66.9 / 8 = 8.4 GB (reference, bf16) = 25.1 GB per
+    rank, the same as after sharding before; transient: one read buffer of at most a rank's rows of the
+    largest tensor, the 152064 x 5120 embedding: 1/8 of 778.6M values = 195 MB in bf16 (the checkpoint's
+    dtype; on accelerators the cast to the shard's dtype may add that slice once more on the device). On
+    64 ranks: 2.1 + 1.0 GB, 24 MB transient. Qwen2.5-VL-7B (8.29B, 33.2 GB fp32) on 8 ranks: 4.1 + 2.1 GB
+    instead of 33.2 GB per model per rank.
+  Measured on CPU (benchmarks/load_memory.py, 211M parameters, fsdp.param_dtype=bfloat16): the peak RSS
+  of building policy + reference went from 3.02 x to 1.54 x the fp32 model at world 1 and from 1.53 x to
+  0.78 x at world 2, where the shards alone are 1.50 x and 0.75 x (benchmarks/README.md).
+
+CPU offload (`worker.actor.fsdp.offload_params`, `worker.ref.offload_params`): the shards are materialised
+on the host (FSDP2 requires it) and the buffers on the compute device; pinned host memory on accelerators,
+unpinned on CPU (pinning needs a CUDA driver; on CPU the "offload" is a no-op copy).
+
+Gradient clipping uses the true global norm: `clip_grad_norm_` over DTensor gradients reduces the
+per-shard norms across ranks (FSDP2 semantics), so every rank gets the same norm.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, RefConfig
+from spmd_grpo.models.attention import varlen_attention
+from spmd_grpo.models.families import family_of
+from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
+from spmd_grpo.models.weights import load_safetensors_into
+from spmd_grpo.parallel.collectives import World, barrier
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+HUB_PATTERNS = ["*.json", "*.safetensors"]
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    """`auto` is bfloat16 on accelerators and float32 on CPU."""
+    if name == "auto":
+        return torch.float32 if device_type == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def reference_dtype(actor: ActorConfig, ref: RefConfig, device_type: str) -> torch.dtype:
+    """The dtype the reference is held and run in: `worker.ref.dtype`, auto = the policy's param_dtype."""
+    if ref.dtype == "auto":
+        return resolve_dtype(actor.fsdp.param_dtype, device_type)
+    return DTYPES[ref.dtype]
+
+
+def model_dir(model_path: str, world: World) -> Path:
+    """The local directory of `model_path`: itself, or the hub snapshot of its configs and safetensors
+    (downloaded by local rank 0 while the others wait, then found in the cache by every rank)."""
+    if Path(model_path).is_dir():
+        return Path(model_path)
+    from huggingface_hub import snapshot_download
+
+    if world.local_rank == 0:
+        snapshot_download(model_path, allow_patterns=HUB_PATTERNS)
+    barrier()
+    return Path(snapshot_download(model_path, allow_patterns=HUB_PATTERNS, local_files_only=True))
+
+
+def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
+    return list(family_of(hf_model.config).decoder_layers(hf_model))
+
+
+def vision_blocks(hf_model: nn.Module) -> list[nn.Module]:
+    return family_of(hf_model.config).vision_blocks(hf_model)
+
+
+def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyModule:
+    """`fully_shard` each vision block and decoder layer, then the root. In place; returns the model.
+
+    Parameters are gathered in `fsdp.param_dtype`. Every unit, the root included, reshards after its
+    forward: between forwards a model holds only its shards (a forward-only reference would otherwise keep
+    its root's gathered embeddings and lm_head on the device, offloaded or not), and backward regathers.
+    With `fsdp.offload_params` the shards live in host memory (CPUOffloadPolicy), pinned on accelerators;
+    on CPU unpinned, since pinning needs a CUDA driver.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    param_dtype = resolve_dtype(fsdp.param_dtype, world.device_type)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[fsdp.reduce_dtype])
+    kwargs = {"mp_policy": mp}
+    if fsdp.offload_params:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device_type != "cpu")
+    for block in vision_blocks(model.hf) + decoder_layers(model.hf):
+        fully_shard(block, reshard_after_forward=True, **kwargs)
+    fully_shard(model, reshard_after_forward=True, **kwargs)
+    return model
+
+
+def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, str]:
+    """(pack the micro-batches?, transformers attn_implementation) for `worker.actor.padding_free`.
+
+    auto packs only where the device has a varlen kernel (`attention.varlen_attention`: flash attention
+    on CUDA with `flash_attn`, the fused kernel on Ascend, per-length sdpa on the CPU); true packs
+    anywhere (sdpa with a dense block-diagonal mask where there is no kernel: CUDA without `flash_attn`);
+    false never packs. The kernel is used whenever it exists: it also serves padded batches.
+    """
+    kernel = varlen_attention(device_type)
+    packed = kernel is not None if padding_free == "auto" else bool(padding_free)
+    if packed and kernel is None and device_type != "cpu":
+        log.warning(
+            "padding_free on %s without a varlen attention kernel: dense block-diagonal masks", device_type
+        )
+    return packed, kernel or "sdpa"
+
+
+def hf_config(path: Path, *, trust_remote_code: bool):
+    """The transformers config in `path` (`trust_remote_code`: a checkpoint's own configuration code may run)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def meta_hf_model(
+    path: Path, dtype: torch.dtype, attn_implementation: str = "sdpa", *, trust_remote_code: bool = False
+) -> nn.Module:
+    """The HF model of the config in `path`, every parameter and buffer on the meta device (no memory)."""
+    from transformers import AutoModelForImageTextToText
+
+    config = hf_config(path, trust_remote_code=trust_remote_code)
+    family_of(config)  # an unsupported model_type fails here, naming the supported families
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+
+
+def init_non_persistent_buffers(hf_model: nn.Module, device: torch.device) -> None:
+    """Recompute the buffers a checkpoint does not hold (the rotary `inv_freq` / `original_inv_freq` of the
+    text and the vision tower) from the config, as transformers does after its own meta-device loading,
+    and put every buffer on `device`. A non-persistent buffer of any other module is an error: nothing
+    here would know its value."""
+    for name, module in hf_model.named_modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        if not hasattr(module, "original_inv_freq"):
+            unknown = sorted(module._non_persistent_buffers_set)
+            raise NotImplementedError(f"no way to compute the non-persistent buffers {unknown} of {name}")
+        hf_model._init_weights(module)
+    for module in hf_model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[key] = buf.to(device)
+
+
+def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offload: bool) -> None:
+    """Give the sharded meta model real local shards and read them from the safetensors in `path`."""
+    hf = model.hf
+    hf.to_empty(device="cpu" if offload else world.device)  # FSDP2 offload wants host shards
+    state = hf.state_dict()
+    if getattr(hf.config, "tie_word_embeddings", False):
+        if hf.lm_head.weight is not hf.get_input_embeddings().weight:
+            raise RuntimeError("tie_word_embeddings is set but lm_head and the embeddings are not tied")
+        state.pop("lm_head.weight", None)  # not in the checkpoint: the embeddings' own tensor
+    load_safetensors_into(state, path, name_map=family_of(hf.config).on_disk_name)
+    init_non_persistent_buffers(hf, world.device)
+
+
+def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, training: bool) -> PolicyModule:
+    """PolicyModule of `cfg.model` in `dtype`, sharded with `cfg.fsdp` and filled from the checkpoint."""
+    path = model_dir(cfg.model.model_path, world)
+    packed, attention = attention_setup(cfg.padding_free, world.device_type)
+    hf = meta_hf_model(path, dtype, attention, trust_remote_code=cfg.model.trust_remote_code)
+    family = family_of(hf.config)
+    if training and cfg.model.freeze_vision_tower:
+        family.vision_tower(hf).requires_grad_(False)
+    if training and cfg.model.enable_gradient_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        layers = family.decoder_layers(hf)
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer)
+    model = PolicyModule(hf, unsamplable_token_ids(hf.config), cfg.logprob_chunk_size, padding_free=packed)
+    if not training:
+        model.requires_grad_(False)
+    shard_model(model, cfg.fsdp, world)
+    fill_from_checkpoint(model, path, world, offload=cfg.fsdp.offload_params)
+    return model.train(training)
+
+
+def build_policy(cfg: ActorConfig, world: World) -> PolicyModule:
+    """The trainable policy, fp32 master weights on every device (NPU included), gathered in param_dtype."""
+    return build_sharded(cfg, torch.float32, world, training=True)
+
+
+def build_reference(cfg: ActorConfig, ref: RefConfig, world: World) -> PolicyModule:
+    """Frozen FSDP2 copy for forward-only reference logprobs (all ranks run it together), held and run in
+    `reference_dtype` (never built in fp32 unless `worker.ref.dtype` asks), offloaded with
+    `worker.ref.offload_params`."""
+    dtype = reference_dtype(cfg, ref, world.device_type)
+    name = next(k for k, v in DTYPES.items() if v == dtype)
+    fsdp = replace(cfg.fsdp, param_dtype=name, offload_params=ref.offload_params)
+    return build_sharded(replace(cfg, fsdp=fsdp), dtype, world, training=False)

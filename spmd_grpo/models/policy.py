@@ -1,0 +1,161 @@
+"""Trainer-side logprobs and entropy of response tokens, matching what vLLM sampled from.
+
+Shapes: B sequences in a micro-batch, L = padded prompt+response length, R = padded response length,
+N = number of valid response tokens in the micro-batch, H = hidden size, V = vocabulary.
+
+Correctness: Qwen-VL models need mrope positions over the WHOLE prompt+response; given only input_ids,
+attention_mask and the images, transformers 5.x silently uses wrong positions for the response tokens
+(per-token logprob errors of 1-18 nats against vLLM, measured on a tiny Qwen2.5-VL in fp32, no warning).
+We compute `position_ids` [3, B, L] explicitly, as the model's family says (`families.Family.position_ids`:
+the model's `get_rope_index` with `mm_token_type_ids`, 1 on image pad tokens, 0 elsewhere, response
+included), and pass them in.
+
+Padding-free (`worker.actor.padding_free`): a micro-batch's sequences are packed back to back into one row
+with no attention mask, and the positions get a 4th row (first) of plain per-sequence text positions.
+transformers 5.x reads it to keep attention inside each sequence: varlen `cu_seqlens` with flash attention
+(CUDA, and Ascend's fused kernel behind the same name), causal sdpa per sequence length on the CPU
+(`attention.VARLEN_SDPA`), a dense block-diagonal causal mask with plain sdpa (CUDA without `flash_attn`:
+correct, not faster). Checked here on CPU only (fp32, both sdpa paths): logprobs, entropy and gradients
+equal the padded forward's to fp32 rounding (tests/unit/test_packing.py). No padding token is computed.
+
+Image features (`ImageBatch`, `SequenceBatch.image_features`): the root module can run the vision tower
+alone and take its output back instead of pixels (transformers' `mm_encoder_outputs`, matched to the image
+pad tokens in order), so a frozen tower encodes each prompt's images once per step (update.encode_images).
+
+The distribution is vLLM's `processed_logprobs`: logits / temperature with the unsamplable vision tokens at
+-inf. top-p / top-k truncation is NOT applied (as in verl): with top_p < 1 the logged
+`rollout/logprob_diff_*` includes that truncation, by design.
+
+Memory: the root module (`PolicyModule`) returns only what is needed. Hidden states of the N tokens that
+predict response tokens are projected to the vocabulary in chunks of `chunk_size` tokens under activation
+checkpointing, so neither forward nor backward holds more than one [chunk, V] fp32 block of logits (a
+152k vocabulary never materialises a [N, V] fp32 log-softmax).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from spmd_grpo.models.inputs import ImageBatch, SequenceBatch, mrope_position_ids, response_token_index
+
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def unsamplable_token_ids(hf_config) -> list[int]:
+    """Token ids that must never be sampled (the vision placeholders), read from the model config."""
+    return sorted(
+        {int(getattr(hf_config, k)) for k in VISION_TOKEN_KEYS if getattr(hf_config, k, None) is not None}
+    )
+
+
+def _chunk_logprob_entropy(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    inv_temperature: float,
+    suppress_ids: torch.Tensor,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(hidden, weight, bias).float() * inv_temperature  # [chunk, V]
+    if suppress_ids.numel():
+        logits = logits.index_fill(1, suppress_ids, float("-inf"))
+    logz = torch.logsumexp(logits, dim=-1)
+    logprob = logits.gather(1, targets[:, None]).squeeze(1) - logz
+    if not with_entropy:
+        return logprob, torch.zeros_like(logprob)
+    probs = torch.softmax(logits, dim=-1)
+    # -inf * 0 would be nan: suppressed tokens have probability 0 and contribute nothing.
+    entropy = logz - (probs * logits.masked_fill(probs == 0, 0)).sum(-1)
+    return logprob, entropy
+
+
+class PolicyModule(nn.Module):
+    """Root module around an HF Qwen-VL model (any supported family) whose forward returns response logprobs (and entropy).
+
+    It is the FSDP2 root, so the root-level parameters (embeddings, final norm, lm_head, ViT patch
+    embedding/merger) are gathered for exactly this forward; encoding images alone goes through the same
+    root forward (an `ImageBatch`) for that reason.
+    """
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        suppress_token_ids: list[int],
+        chunk_size: int = 1024,
+        *,
+        padding_free: bool = False,
+    ) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.padding_free = padding_free
+        """Whether callers should hand it packed batches (its attention implementation has a varlen path)."""
+        self.register_buffer(
+            "suppress_ids", torch.tensor(suppress_token_ids, dtype=torch.long), persistent=False
+        )
+        self.chunk_size = chunk_size
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    def forward(
+        self, batch: SequenceBatch | ImageBatch, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, ...]:
+        """SequenceBatch: (logprobs [B, R], entropy [B, R]), zeros where response_mask is 0.
+        ImageBatch: the vision tower's features, one [tokens of image i, H] per image (for reuse)."""
+        if isinstance(batch, ImageBatch):
+            return self.hf.model.get_image_features(batch.pixel_values, batch.image_grid_thw).pooler_output
+        precomputed = None
+        if batch.image_features is not None:
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            precomputed = {"image": BaseModelOutputWithPooling(pooler_output=batch.image_features)}
+        out = self.hf.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=mrope_position_ids(self.hf, batch),
+            pixel_values=batch.pixel_values,
+            image_grid_thw=batch.image_grid_thw,
+            mm_encoder_outputs=precomputed,
+            use_cache=False,
+        )
+        return self._response_logprobs(out.last_hidden_state, batch, temperature, with_entropy)
+
+    def _response_logprobs(
+        self, hidden: torch.Tensor, batch: SequenceBatch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunked log-softmax over the vocabulary at the N positions that predict response tokens."""
+        row, src = response_token_index(batch)
+        h = hidden[row, src]  # [N, H]
+        targets = batch.input_ids[row, src + 1]  # [N]
+        head = self.hf.lm_head
+        kwargs = dict(
+            inv_temperature=1.0 / temperature, suppress_ids=self.suppress_ids, with_entropy=with_entropy
+        )
+        logprob_chunks, entropy_chunks = [], []
+        for start in range(0, h.shape[0], self.chunk_size):
+            piece = slice(start, start + self.chunk_size)
+            args = (h[piece], targets[piece], head.weight, head.bias)
+            if torch.is_grad_enabled():
+                lp, ent = checkpoint(_chunk_logprob_entropy, *args, use_reentrant=False, **kwargs)
+            else:
+                lp, ent = _chunk_logprob_entropy(*args, **kwargs)
+            logprob_chunks.append(lp)
+            entropy_chunks.append(ent)
+        valid = batch.response_mask.bool()
+        logprobs = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
+        if logprob_chunks:
+            logprobs = logprobs.masked_scatter(valid, torch.cat(logprob_chunks))
+            entropy = entropy.masked_scatter(valid, torch.cat(entropy_chunks))
+        elif torch.is_grad_enabled():
+            # No response token: a zero term keeps every parameter in the graph, so a loss of this batch
+            # can run backward (and FSDP reduces the same gradients on every rank), adding zero.
+            anchor = F.linear(hidden[:, -1], head.weight, head.bias).float().sum() * 0.0
+            logprobs, entropy = logprobs + anchor, entropy + anchor
+        return logprobs, entropy

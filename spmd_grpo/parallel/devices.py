@@ -1,0 +1,117 @@
+"""The device layer: which accelerator this process uses (cuda / npu / cpu) and everything device-specific.
+
+`auto` picks npu when `torch_npu` imports and reports a device, else cuda when available, else cpu. The
+default process group gets a host backend as well (`cpu:gloo,cuda:nccl` / `cpu:gloo,npu:hccl`; gloo on cpu)
+so small bookkeeping collectives reduce CPU tensors without a device copy. Memory statistics, cache emptying,
+`expandable_segments`, synchronisation and seeding go through here; nothing else spells a device name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import random
+from types import ModuleType
+
+import numpy as np
+import torch
+
+BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl", "cpu": "gloo"}
+
+
+def _import_torch_npu() -> ModuleType | None:
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError:
+        return None
+
+
+def _npu_available() -> bool:
+    """True when torch_npu imports (which registers `torch.npu`) and sees at least one NPU."""
+    return _import_torch_npu() is not None and hasattr(torch, "npu") and torch.npu.is_available()
+
+
+def resolve_device_type(requested: str = "auto") -> str:
+    """`auto` | `cuda` | `npu` | `cpu` -> a concrete device type, checking that it exists."""
+    if requested == "auto":
+        if _npu_available():
+            return "npu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "npu":
+        if _import_torch_npu() is None:
+            raise RuntimeError(
+                "trainer.device=npu but torch_npu cannot be imported (install torch_npu for your CANN "
+                "release and source CANN's set_env.sh)"
+            )
+        if not _npu_available():
+            raise RuntimeError("trainer.device=npu but torch.npu.is_available() is False (no NPU visible)")
+        return "npu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but torch.cuda.is_available() is False")
+    if requested not in BACKENDS:
+        raise RuntimeError(f"unknown device {requested!r}; expected auto, cuda, npu or cpu")
+    return requested
+
+
+def device_module(device_type: str) -> ModuleType | None:
+    """torch.cuda / torch.npu (registered by torch_npu), or None for cpu."""
+    if device_type == "npu":
+        if not hasattr(torch, "npu"):
+            raise RuntimeError("device npu but torch.npu does not exist: import torch_npu first")
+        return torch.npu
+    return {"cuda": torch.cuda}.get(device_type)
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every call site; callers add the rank where streams must differ per rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def empty_cache(device_type: str) -> None:
+    mod = device_module(device_type)
+    if mod is not None:
+        mod.empty_cache()
+
+
+def set_expandable_segments(device_type: str, enabled: bool) -> None:
+    """CUDA allocator: expandable segments help training (less fragmentation) but must be off while vLLM's
+    sleep-mode allocator owns memory (older vLLM asserted on it). No-op elsewhere."""
+    if device_type == "cuda":
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+
+
+def memory_line(device_type: str, phase: str) -> str:
+    """One log line of memory at a phase boundary: device allocated/reserved (accelerators) and process RSS."""
+    mod = device_module(device_type)
+    device = ""
+    if mod is not None:
+        device = f"device allocated {mod.memory_allocated() / 2**30:.2f} GiB reserved {mod.memory_reserved() / 2**30:.2f} GiB, "
+    return f"memory after {phase}: {device}process RSS {cpu_memory_used_gb():.2f} GiB"
+
+
+def synchronize(device_type: str) -> None:
+    mod = device_module(device_type)
+    if mod is not None:
+        mod.synchronize()
+
+
+def max_memory_allocated_gb(device_type: str) -> float:
+    """Peak memory of the compute device. On CPU the device memory IS the process memory: its peak
+    resident set (VmHWM), which also counts vLLM's CPU KV cache and the Python heap."""
+    mod = device_module(device_type)
+    if mod is not None:
+        return mod.max_memory_allocated() / 2**30
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def cpu_memory_used_gb() -> float:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30

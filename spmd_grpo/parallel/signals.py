@@ -1,0 +1,131 @@
+"""Stopping cleanly, and dying promptly.
+
+`StopOnSignal` turns SIGTERM/SIGINT (Slurm preemption, Ctrl-C) into a flag that the loop all-reduces at the
+next step boundary, so every rank saves the same checkpoint and exits with 128 + signal. `exit_promptly`
+runs the entry point so that a failing rank exits at once (no hang in a collective waiting for it), and a
+rank whose launcher is gone exits instead of training on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------- stop and exit
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopOnSignal:
+    """SIGTERM / SIGINT (Slurm preemption or `scancel`, Ctrl-C, torchrun forwarding either) ask the run to
+    stop; the loop reads `signum` at each step boundary and the ranks agree with `any_rank`, so they save
+    the last finished step together and exit with `exit_code` (128 + signal, as a shell reports a process
+    killed by that signal).
+
+    The signal is seen by a watcher thread through `signal.set_wakeup_fd`, not by the main thread: Python
+    runs handlers only between bytecodes, and a main thread stuck in a C call (a collective with a dead
+    peer) would never start the grace period. `grace_s` seconds after the first signal, if the process is
+    still alive (the step, the save or the teardown took too long), the watcher ends it at once with the
+    same exit code: the previous checkpoint stays the newest complete one, and a save cut short leaves only
+    a `global_step_N.tmp` directory that resume ignores. Further signals change nothing.
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.received_at: float | None = None
+        self._write_fd: int | None = None
+
+    def install(self) -> StopOnSignal:
+        """Listen from now on (main thread only). Call it before anything slow, so no signal is missed, and
+        again after building libraries that may set their own handlers (it re-arms the same watcher)."""
+        if self._write_fd is None:
+            read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._write_fd, False)  # the C-level handler must never block
+            threading.Thread(target=self._watch, args=(read_fd,), name="stop-on-signal", daemon=True).start()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _ignore_in_main_thread)  # the byte on the pipe does the work
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        return self
+
+    @property
+    def exit_code(self) -> int:
+        assert self.signum is not None
+        return 128 + self.signum
+
+    def _watch(self, read_fd: int) -> None:
+        while self.signum is None:
+            for signum in os.read(read_fd, 16):
+                if signum in STOP_SIGNALS and self.signum is None:
+                    self.received_at, self.signum = time.monotonic(), signum
+        if _local_rank_gone():
+            log.error(
+                "signal %d after a rank on this node exited: exiting %d now", self.signum, self.exit_code
+            )
+            _hard_exit(self.exit_code)
+        log.warning(
+            "signal %d received: stopping at the next step boundary (grace %.0f s)", self.signum, self.grace_s
+        )
+        time.sleep(self.grace_s)
+        log.error(
+            "signal %d: not done %.0f s later (trainer.preempt_grace_s); exiting %d now, without a new "
+            "checkpoint",
+            self.signum,
+            self.grace_s,
+            self.exit_code,
+        )
+        _hard_exit(self.exit_code)
+
+
+def _local_rank_gone() -> bool:
+    """Under torchrun: fewer live workers under this rank's agent than LOCAL_WORLD_SIZE. The agent reaps a
+    worker that died before it signals the others, so a signal with a sibling missing is the agent taking
+    the job down, not a preemption: waiting for a step boundary (a rank busy generating may not reach one
+    for minutes, a rank in an NCCL collective never) would only delay the end. Linux `/proc`."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    agent, alive = os.getppid(), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+        alive += int(ppid) == agent and state != "Z"
+    return alive < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _ignore_in_main_thread(signum: int, frame: object) -> None:
+    """A Python-level handler must exist for the wakeup fd to be written; the watcher thread acts."""
+
+
+def exit_promptly(main: Callable[[], None]) -> None:
+    """Run `main`; if it raises, log the traceback and end the process with exit code 1 at once.
+
+    A plain exception would go through interpreter shutdown, which can hang on non-daemon threads (vLLM's)
+    or block in a collective with a peer that is gone; torchrun would then wait 30 s before SIGKILLing this
+    rank. `SystemExit` (an intended exit code) passes through unchanged.
+    """
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 (also KeyboardInterrupt and DCP's CheckpointException)
+        log.error("rank %s failed:\n%s", os.environ.get("RANK", "0"), traceback.format_exc())
+        _hard_exit(1)
+
+
+def _hard_exit(code: int) -> None:
+    """`os._exit` after flushing what was logged and printed (it skips every other shutdown step)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

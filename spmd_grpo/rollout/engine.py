@@ -1,0 +1,358 @@
+"""The rollout half of the hybrid engine: one in-process vLLM `LLM` per rank, and the weight stream into it.
+
+The engine never reads the checkpoint: it is built with `load_format="dummy"` (small random weights) and
+receives every weight, frozen ones included, from the FSDP2 policy through the sharded weight stream at the
+first `rollout_mode`, also after a resume (the policy then holds the resumed weights). Reading the
+checkpoint a third time per rank (policy, reference, vLLM) would cost each rank a full read of the model
+files at start-up: for Qwen2.5-VL-32B, 67 GB of bf16 safetensors x 8 ranks per node through one node's disk
+and page cache, for weights that are overwritten at the first push anyway.
+
+Every rank builds `LLM(distributed_executor_backend="external_launcher")` after the trainer's process group
+exists; consecutive ranks form a tensor-parallel group (`worker.rollout.tensor_parallel_size`) and use the
+same engine seed, so the ranks of a group sample identically (per-request seeds make it independent of
+batching too).
+
+The accelerator is time-shared: `rollout_mode(policy, version)` is the one way to use it for generation
+(training steps and validation alike). On entry it moves what must leave the device (AdamW state with
+`fsdp.offload_optimizer`), switches the CUDA allocator's expandable segments off (vLLM's sleep-mode allocator
+owns memory now), then wakes vLLM in the order empty cache -> wake(weights) -> push the policy's weights if
+the engine does not hold this version -> empty cache -> wake(kv_cache): waking everything at once could hold
+old weights + new weights + KV cache together. On exit, also on an exception, it puts vLLM to sleep and
+restores the allocator setting and the optimizer state. Sleep level 2 DISCARDS the weights, so after it the
+engine holds no version and the next `rollout_mode` pushes every weight again (level 1 keeps them in host
+memory). On CPU vLLM has no sleep mode: it is skipped with one log line and the weights stay.
+
+Weight sync (`iter_sharded_weights`): parameters are streamed in bounded buckets (grouped by layer, up to
+`weight_sync_bucket_mb`), each FSDP2 local shard cast to the rollout dtype BEFORE it travels (half the
+traffic of gathering fp32 masters), gathered per bucket straight into one receive buffer (in-place all-gather
+on nccl/hccl, one broadcast per rank on gloo), yielding HF names. Live extra memory is about one bucket plus
+vLLM's reload of one fused layer (its inputs, the fused weight and, on CPU, its new oneDNN pack: ~3 x the
+largest fused parameter), never the model; on CPU the heap is trimmed after a push (vLLM-CPU repacks every
+linear layer and glibc would keep the freed pages; measurements in benchmarks/README.md).
+`lm_head.weight` is yielded for tied models (vLLM otherwise keeps the old head). After a push the prefix,
+multimodal and encoder caches are reset (stale image embeddings otherwise; vLLM also failed with "Encoder
+cache miss" without the reset). A push is skipped when the engine already holds the policy's version, and
+parameters that do not require grad (a frozen vision tower) are sent only when the engine holds no weights
+of the policy at all: they never change.
+
+Vision special tokens (`<|image_pad|>` etc.) can never be sampled: a logits processor sets them to -inf in
+vLLM, and `models/policy.py` applies the same mask, so vLLM's `processed_logprobs` and the trainer's logprobs
+describe the same distribution.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spmd_grpo.config.workers import RolloutConfig
+from spmd_grpo.models.policy import unsamplable_token_ids
+from spmd_grpo.models.weights import hf_name
+from spmd_grpo.parallel.collectives import World
+from spmd_grpo.parallel.devices import empty_cache, memory_line, set_expandable_segments
+from spmd_grpo.rollout.weight_sync import CountingIterator, iter_sharded_weights
+
+log = logging.getLogger(__name__)
+
+
+def _make_suppress_processor():
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class SuppressVisionTokens(LogitsProcessor):
+        """Set the vision special tokens' logits to -inf for every request."""
+
+        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+            ids = unsamplable_token_ids(vllm_config.model_config.hf_config)
+            self.ids = torch.tensor(ids, dtype=torch.long, device=device)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            logits.index_fill_(1, self.ids, float("-inf"))
+            return logits
+
+    return SuppressVisionTokens
+
+
+class _DropVllmNoise(logging.Filter):
+    """Drops two vLLM warnings that are about vLLM's own internals, not this run, and would flood the console.
+
+    * "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it." vLLM's CPU
+      worker replaces `torch.set_num_threads` with a stub that logs this (the OpenMP threads are already
+      bound to cores), and vLLM's multimodal renderer calls `torch.set_num_threads` twice around every
+      request's image processing. With the engine in the trainer's process every request hits the stub: a
+      smoke run logged ~120,000 of these. The calls are meant to be skipped, nothing is lost.
+    * "<X>RotaryEmbedding: Failed to load weights", at every weight push. A rotary layer's only tensor is
+      `cos_sin_cache`, a non-persistent buffer computed from the config, never part of a checkpoint or a
+      push; vLLM's layerwise reload then puts the existing cache back (its fallback right after the warning).
+      The same warning for any other layer, a real missing weight, still shows.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("CPU backend doesn't allow to use `torch.set_num_threads`"):
+            return False
+        rotary = bool(record.args) and str(record.args[0]).endswith("RotaryEmbedding")
+        return not (message == "%s: Failed to load weights" and rotary)
+
+
+def _quiet_vllm() -> None:
+    """Install `_DropVllmNoise` on the two vLLM loggers, and ignore the FutureWarning about
+    `torch.distributed.reduce_op` that vLLM's kernel registration raises by probing every module attribute
+    (vLLM's scan, not a call of ours). Idempotent."""
+    for name in ("vllm.v1.worker.cpu_worker", "vllm.model_executor.model_loader.reload.layerwise"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropVllmNoise) for f in logger.filters):
+            logger.addFilter(_DropVllmNoise())
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)
+
+
+NO_WEIGHTS = -1  # `EngineStats.synced_version` when the engine holds none of the policy's weights
+
+
+def _host_side_image_normalisation() -> dict:
+    """`mm_device_do_normalize=False` where vLLM has the option (0.32): its device-side image normalisation
+    keeps the processor's mean/std in persistent buffers (`FusedMMInputNorm`) that are not in the checkpoint,
+    so the dummy loader leaves them random and no weight push restores them (measured: per-token logprob
+    errors of 0.14 against the trainer after a full push). Normalising on the host, as vLLM did before,
+    has no such buffer. Costs host CPU time per image, nothing on the device."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    options = {f.name for f in dataclasses.fields(EngineArgs)}
+    return {"mm_device_do_normalize": False} if "mm_device_do_normalize" in options else {}
+
+
+@dataclass
+class EngineStats:
+    synced_version: int = NO_WEIGHTS
+    num_syncs: int = 0
+    last_sync_s: float = 0.0
+    last_sync_bytes: int = 0
+
+
+def llm_kwargs(
+    model_path: str,
+    cfg: RolloutConfig,
+    *,
+    trust_remote_code: bool,
+    max_model_len: int,
+    min_pixels: int,
+    max_pixels: int,
+) -> dict:
+    """The `vllm.LLM` arguments that come from the config alone (the engine adds the rank's seed, the dtype,
+    sleep mode and the logits processor)."""
+    # Seeded requests + chunked prefill crash on CPU ("CPU Generator does not use offset"); with chunked
+    # prefill off, one scheduler step must hold the largest prompt.
+    return dict(
+        model=model_path,
+        trust_remote_code=trust_remote_code,  # worker.actor.model.trust_remote_code, as transformers gets it
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+        load_format="dummy",  # the weights come from the policy (first `rollout_mode`), not from disk
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
+        max_num_seqs=cfg.max_num_seqs,
+        enable_chunked_prefill=False,
+        limit_mm_per_prompt={"image": cfg.limit_images, "video": 0},
+        # `size`, not min_pixels/max_pixels: transformers deprecates those as per-call processor kwargs.
+        mm_processor_kwargs={"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
+        logprobs_mode="processed_logprobs",
+    )
+
+
+class RolloutEngine:
+    """One vLLM engine per rank, driven in-process (no Ray, no server)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        world: World,
+        *,
+        max_model_len: int,
+        dtype: torch.dtype,
+        min_pixels: int,
+        max_pixels: int,
+        seed: int,
+        tie_word_embeddings: bool,
+        trust_remote_code: bool = False,
+    ) -> None:
+        from vllm import LLM
+
+        _quiet_vllm()
+        self.cfg, self.world, self.dtype = cfg, world, dtype
+        self.tie_word_embeddings = tie_word_embeddings
+        self.tp = cfg.tensor_parallel_size
+        self.sleep_enabled = cfg.enable_sleep_mode and world.device_type != "cpu"
+        if cfg.enable_sleep_mode and world.device_type == "cpu" and world.is_main:
+            log.info("worker.rollout.enable_sleep_mode ignored: vLLM has no sleep mode on CPU")
+        if world.device_type == "cpu":
+            # vLLM's CPU backend sizes its KV cache from this variable instead of a memory fraction.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_memory_gb))))
+        self.llm = LLM(
+            **llm_kwargs(
+                model_path,
+                cfg,
+                trust_remote_code=trust_remote_code,
+                max_model_len=max_model_len,
+                min_pixels=min_pixels,
+                max_pixels=max_pixels,
+            ),
+            seed=seed + world.rank // self.tp,
+            dtype=dtype,
+            enable_sleep_mode=self.sleep_enabled,
+            logits_processors=[_make_suppress_processor()],
+            **_host_side_image_normalisation(),
+        )
+        self.stats = EngineStats()  # dummy weights: the first rollout_mode pushes every weight
+        self.asleep = False
+
+    # ----------------------------------------------------------------------------------- sleep / wake
+    @contextmanager
+    def rollout_mode(
+        self, policy: nn.Module, version: int, *, optimizer=None, timer=None, log_memory: bool = False
+    ) -> Iterator[None]:
+        """The accelerator belongs to vLLM inside this block, holding `policy` at `version` (see the module
+        docstring for the order). `optimizer`: its state leaves the device meanwhile (None: it stays).
+        `timer` times the weight push as `update_weights`."""
+        offload = optimizer is not None and self.world.device_type != "cpu"
+        if offload:
+            move_optimizer_state(optimizer, "cpu")
+        set_expandable_segments(self.world.device_type, False)
+        try:
+            self._wake(["weights"])
+            with timer("update_weights") if timer is not None else nullcontext():
+                self.sync_weights(policy, version)
+            self._wake(["kv_cache"])
+            self.asleep = False
+            if log_memory:
+                log.info(memory_line(self.world.device_type, "wake + weight push"))
+            yield
+        finally:
+            self.sleep()
+            set_expandable_segments(self.world.device_type, True)
+            if offload:
+                move_optimizer_state(optimizer, self.world.device)
+            if log_memory:
+                log.info(memory_line(self.world.device_type, "rollout + sleep"))
+
+    def sleep(self) -> None:
+        """Release weights (level 2) or offload them (level 1) and the KV cache until the next rollout."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=self.cfg.sleep_level)
+            empty_cache(self.world.device_type)
+            self.asleep = True
+            if self.cfg.sleep_level == 2:  # the weights are gone: the next wake needs a full push
+                self.stats.synced_version = NO_WEIGHTS
+
+    def _wake(self, tags: list[str]) -> None:
+        if self.sleep_enabled and self.asleep:
+            empty_cache(self.world.device_type)
+            self.llm.wake_up(tags=tags)
+
+    # ------------------------------------------------------------------------------------ weight sync
+    def sync_weights(self, policy: nn.Module, version: int) -> None:
+        """Push `policy` (FSDP2-sharded; collective) unless the engine holds `version` already."""
+        if version == self.stats.synced_version:
+            return
+        # A parameter that does not require grad never changes: send it only to an engine without weights.
+        frozen = set()
+        if self.stats.synced_version != NO_WEIGHTS:
+            frozen = {hf_name(n) for n, p in policy.named_parameters() if not p.requires_grad}
+        weights = iter_sharded_weights(
+            policy,
+            self.dtype,
+            self.cfg.weight_sync_bucket_mb << 20,
+            tie_word_embeddings=self.tie_word_embeddings,
+            skip=frozen.__contains__,
+        )
+        self.load_weights(weights, version)
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stream `(hf_name, full_tensor)` into the engine, then drop every cache derived from old weights."""
+        start = time.perf_counter()
+        counted = CountingIterator(weights)
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        if hasattr(worker, "reload_weights"):
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True}
+            )
+        else:  # e.g. vllm-ascend's NPU worker: load into the model directly
+            worker.model_runner.model.load_weights(counted)
+        self.reset_caches()
+        if self.world.device_type == "cpu":
+            # vLLM-CPU repacks every linear layer (oneDNN) at every push: a model-sized amount of 5-11 MiB
+            # blocks is allocated at new heap addresses and the old packs are freed. glibc keeps those freed
+            # pages resident, so without a trim RSS stays ~1 x the model higher after each push and the next
+            # push adds its peak on top (benchmarks/README.md). malloc_trim(0) hands the free pages back.
+            _malloc_trim()
+        self.stats.synced_version = version
+        self.stats.num_syncs += 1
+        self.stats.last_sync_s = time.perf_counter() - start
+        self.stats.last_sync_bytes = counted.num_bytes
+
+    def reset_caches(self) -> None:
+        self.llm.reset_prefix_cache()
+        self.llm.reset_mm_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+
+    def shutdown(self) -> None:
+        """Tear the engine down while the trainer's process group still exists.
+
+        vLLM's teardown (also run at interpreter exit if not called) destroys its own groups AND the default
+        process group (`destroy_distributed_environment`); after the trainer destroyed the default group
+        first it raised "Invalid process group specified". Call this last, before `distributed.destroy()`.
+        """
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def generate(self, prompts: list, sampling_params: list) -> list:
+        return self.llm.generate(prompts, sampling_params, use_tqdm=False)
+
+
+@functools.cache
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where libc has none (e.g. musl)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def _malloc_trim() -> None:
+    """`malloc_trim(0)`: give the heap's free pages back to the OS (a no-op without glibc)."""
+    fn = _libc_malloc_trim()
+    if fn is not None:
+        fn(0)
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move AdamW's state tensors (exp_avg, exp_avg_sq; DTensor shards too) to `device`, in place.
+
+    With `worker.actor.fsdp.offload_optimizer` the state lives on the CPU while vLLM is awake and comes back
+    for the update: the states are 2x the fp32 parameter shard, the largest training-only allocation.
+    """
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)

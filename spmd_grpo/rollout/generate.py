@@ -1,0 +1,135 @@
+"""Rollout: turn this rank's prompts into sampled responses with the in-process vLLM engine.
+
+Each rank owns its prompts and all `n` samples of each (GRPO groups are local by default). With tensor
+parallelism the ranks of a TP group (consecutive ranks) must submit identical requests: prompts are
+all-gathered inside the group, the group generates all of them, and each rank keeps exactly the outputs of
+its own prompts (`generate`); `generate_for_group` returns the whole group's outputs with their owners.
+
+Every request carries its own seed, derived from (seed, step, generation batch, prompt uid, sample index):
+the samples do not depend on how requests are batched or which rank generates them, and resuming a run
+reproduces them. `n` samples are submitted as n single-sample requests (vLLM would give the n children of
+one request the seeds seed, seed+1, ..., tied to the request rather than to the sample's coordinates).
+
+What the n requests of a prompt share, measured on the vLLM 0.32 CPU engine (tiny random model, 8 prompts
+x 8 samples, one 224 x 224 image each, chunked prefill off as here; `benchmarks/rollout_sharing.py`):
+the vision encoder ran on 8 images for the 64 requests (vLLM's encoder cache keys images by content), so
+the image is encoded once per prompt already (also with prefix caching off, and with SamplingParams(n)).
+The prefill was NOT shared: 0 prefix-cache hits of 6,144 queried prompt tokens, the 96-token prompts being
+shorter than one 128-token CPU KV block (only whole blocks are cached). Whether longer prompts whose n
+requests are scheduled in the same step hit the cache was not measured. `SamplingParams(n)` would not change that in vLLM 0.32: its front end processes the
+prompt once and then adds n child requests (child i seeded seed + i) to the scheduler, like ours.
+
+A `Sample` is the one record of everything known about a response as the step goes on: the rollout fills
+the tokens and vLLM's logprobs, the reward its `scores`, the trainer its `old_logprobs`, `ref_logprobs` and
+`advantage`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.parallel.collectives import all_gather_objects
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def request_seed(seed: int, step: int, uid: int, sample_index: int, gen_batch: int = 0) -> int:
+    """A per-request seed that is a pure function of its coordinates (fits in 63 bits)."""
+    key = (((seed * 1_000_003 + step) * 1_000_033 + gen_batch) * 1_000_037 + uid) * 1_009 + sample_index
+    return key % (2**63 - 1)
+
+
+def _sampling_params(sampling: SamplingConfig, seed: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        seed=seed,
+        logprobs=0,
+        stop_token_ids=list(sampling.stop_token_ids),
+        skip_special_tokens=True,
+        detokenize=True,
+    )
+
+
+def _sample(prompt: Prompt, sample_index: int, output, gen_batch: int) -> Sample:
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    return Sample(
+        prompt=prompt,
+        sample_index=sample_index,
+        prompt_ids=list(output.prompt_token_ids),
+        response_ids=ids,
+        rollout_logprobs=[lp[tok].logprob for lp, tok in zip(completion.logprobs, ids, strict=True)],
+        response_text=completion.text,
+        finish_reason=completion.finish_reason or "length",
+        gen_batch=gen_batch,
+        group_index=prompt.uid,
+    )
+
+
+def generate_for_group(
+    engine, prompts: list[Prompt], sampling: SamplingConfig, *, step: int, gen_batch: int = 0, tp_group=None
+) -> list[tuple[int, Sample]]:
+    """Sample `n` responses for every prompt of this rank's TP group (all of them, on every rank of it).
+
+    Returns `(slot, sample)` in (slot, prompt, sample) order, `slot` being the rank within the TP group that
+    owns the prompt.
+    """
+    from vllm.inputs import TokensPrompt
+
+    group_prompts = [prompts] if tp_group is None else all_gather_objects(prompts, group=tp_group)
+    requests, params, owners = [], [], []
+    for slot, rank_prompts in enumerate(group_prompts):
+        for p in rank_prompts:
+            data = {"prompt_token_ids": p.prompt_token_ids}
+            if p.images:
+                data["multi_modal_data"] = {"image": list(p.images)}
+            for k in range(sampling.n):
+                requests.append(TokensPrompt(**data))
+                params.append(
+                    _sampling_params(sampling, request_seed(sampling.seed, step, p.uid, k, gen_batch))
+                )
+                owners.append((slot, p, k))
+    # A rank's last validation batch may hold no prompts (validation.py): nothing to ask the engine.
+    outputs = engine.generate(requests, params) if requests else []
+    return [(slot, _sample(p, k, out, gen_batch)) for (slot, p, k), out in zip(owners, outputs, strict=True)]
+
+
+def generate(
+    engine, prompts: list[Prompt], sampling: SamplingConfig, *, step: int, gen_batch: int = 0, tp_group=None
+) -> list[Sample]:
+    """Sample `n` responses for each of this rank's prompts; returns them in (prompt, sample) order."""
+    my_slot = 0 if tp_group is None else dist.get_rank(tp_group)
+    group = generate_for_group(engine, prompts, sampling, step=step, gen_batch=gen_batch, tp_group=tp_group)
+    return [s for slot, s in group if slot == my_slot]
+
+
+def attach_pixel_values(samples: list[Sample], image_processor) -> None:
+    """Trainer-side pixel values, computed once per prompt and shared by its n samples (keyed by the Prompt
+    object: after DAPO rebalancing one uid can name prompts of several generation batches)."""
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for s in samples:
+        if not s.prompt.images:
+            continue
+        if id(s.prompt) not in cache:
+            enc = image_processor(images=s.prompt.images, return_tensors="pt")
+            cache[id(s.prompt)] = (enc["pixel_values"], enc["image_grid_thw"])
+        s.pixel_values, s.image_grid_thw = cache[id(s.prompt)]

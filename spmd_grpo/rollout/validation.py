@@ -1,0 +1,127 @@
+"""Validation: generate on the held-out set with the current policy, score, and report verl-named metrics.
+
+Metrics (global over ranks), N = `worker.rollout.val_override.n` samples per prompt:
+  val-core/<data_source>/acc/mean@N   mean `accuracy` of the reward (or `overall` when the reward has none)
+  val/reward/<key>                    mean of every key the reward function returns (overall included)
+  timing_s/testing                    added by the caller
+Sampling uses `worker.rollout.val_override` (verl: temperature 0.6, top_p 0.95, n 1 in the geo3k recipes)
+with its own per-request seeds (`VAL_SEED_OFFSET`), so validation never consumes or shifts the training
+samples' randomness. Each rank validates a strided share of the set (rank r takes examples r, r + world,
+...), in generation batches of `batch_size` prompts over all ranks (`data.val_batch_size`; -1: one batch),
+every rank running the same number of batches (the ranks of a TP group gather each batch together). The
+first `num_logged` generations (over ranks, in rank order) go to `log_generations(step, rows)` on rank 0
+(the loggers' tables: val_generations.jsonl, wandb, ...). The caller holds the engine in
+`rollout_mode` around `validate`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from spmd_grpo.algorithm.reward import score_samples
+from spmd_grpo.data.dataset import Example
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.parallel.collectives import World, all_gather_objects
+from spmd_grpo.rollout.generate import SamplingConfig, generate
+from spmd_grpo.telemetry.metrics import global_means
+
+VAL_SEED_OFFSET = 7919  # validation request seeds never coincide with training ones
+
+
+def validate(
+    engine,
+    examples: list[Example],
+    reward_fn,
+    *,
+    step: int,
+    sampling: SamplingConfig,
+    world: World,
+    tp_group=None,
+    log_generations: Callable[[int, list[dict[str, Any]]], None],
+    num_logged: int,
+    batch_size: int = -1,
+) -> dict[str, float]:
+    """Generate and score this rank's share of `examples`; returns the global metrics (collective)."""
+    prompts = [
+        Prompt(
+            i,
+            ex.prompt_token_ids,
+            ex.images,
+            ex.answer,
+            {"data_source": ex.data_source, "problem": ex.problem},
+        )
+        for i in range(world.rank, len(examples), world.world_size)
+        for ex in [examples[i]]
+    ]
+    samples = [
+        sample
+        for batch in _batches(prompts, len(examples), world.world_size, batch_size)
+        for sample in generate(engine, batch, sampling, step=step, tp_group=tp_group)
+    ]
+    rewards = score_samples(
+        reward_fn,
+        [s.reward_input() for s in samples],
+        batch_name=f"validation at step {step}, rank {world.rank}",
+    )
+    metrics = _metrics(samples, rewards, sampling.n)
+    rows = _generations(samples, rewards, num_logged)
+    if world.is_main and rows:
+        log_generations(step, rows)
+    return metrics
+
+
+def _batches(
+    prompts: list[Prompt], num_examples: int, world_size: int, batch_size: int
+) -> list[list[Prompt]]:
+    """This rank's `prompts` in generation batches of `batch_size` prompts over all ranks (<= 0: one batch). The
+    number of batches depends only on the set size and the world, so it is the same on every rank."""
+    if batch_size <= 0:
+        return [prompts]
+    per_rank = math.ceil(batch_size / world_size)
+    num_batches = max(1, math.ceil(math.ceil(num_examples / world_size) / per_rank))
+    return [prompts[i * per_rank : (i + 1) * per_rank] for i in range(num_batches)]
+
+
+def _metrics(samples: list[Sample], rewards: dict[str, torch.Tensor], n: int) -> dict[str, float]:
+    # Every rank must reduce the same metric names (a rank may have no samples): agree on them first.
+    parts = all_gather_objects(({s.prompt.extra["data_source"] for s in samples}, set(rewards)))
+    sources = sorted(set().union(*(p[0] for p in parts)))
+    keys = sorted(set().union(*(p[1] for p in parts)))
+    empty = torch.zeros(0)
+    acc = (
+        rewards.get("accuracy", rewards.get("overall", empty))
+        if "accuracy" in keys
+        else rewards.get("overall", empty)
+    )
+    sums: dict[str, tuple[float, float]] = {}
+    for src in sources:
+        picked = torch.tensor([s.prompt.extra["data_source"] == src for s in samples], dtype=torch.bool)
+        sums[f"val-core/{src}/acc/mean@{n}"] = (
+            float(acc[picked].sum()) if picked.any() else 0.0,
+            float(picked.sum()),
+        )
+    for key in keys:
+        values = rewards.get(key, empty)
+        sums[f"val/reward/{key}"] = (float(values.sum()), float(values.numel()))
+    return global_means(sums)
+
+
+def _generations(samples: list[Sample], rewards: dict[str, torch.Tensor], num: int) -> list[dict[str, Any]]:
+    """The first `num` generations over ranks, in rank order (the same list on every rank; collective)."""
+    logged = all_gather_objects(
+        [
+            {
+                "data_source": s.prompt.extra["data_source"],
+                "problem": s.prompt.extra["problem"],
+                "response": s.response_text,
+                "ground_truth": s.prompt.ground_truth,
+                "score": float(rewards["overall"][i]),
+            }
+            for i, s in enumerate(samples[:num])
+        ]
+    )
+    return [row for part in logged for row in part][:num] if num > 0 else []

@@ -1,0 +1,181 @@
+"""The sharded weight stream from the FSDP2 policy into vLLM.
+
+Parameters are grouped in buckets of about `worker.rollout.weight_sync_bucket_mb` (a decoder layer or
+vision block is never split), each bucket all-gathered once in the rollout dtype (the local shard is cast first, so fp32 masters
+never travel) and handed to vLLM's `reload_weights` as `(hf_name, full_tensor)` pairs, in the same order on
+every rank. With tied embeddings `lm_head.weight` is sent too (vLLM keeps the old head otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from spmd_grpo.models.weights import hf_name
+
+
+class CountingIterator:
+    def __init__(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.it, self.num_bytes = it, 0
+
+    def __iter__(self):
+        for name, t in self.it:
+            self.num_bytes += t.numel() * t.element_size()
+            yield name, t
+
+
+def _layer_key(name: str) -> str:
+    """Parameters of one decoder layer / vision block share a key, so buckets never split a layer."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def _buckets(params: list[tuple[str, torch.Tensor]], itemsize: int, bucket_bytes: int) -> list[list]:
+    """Group parameters by layer, then pack consecutive layers into buckets of at most `bucket_bytes`."""
+    layers: list[list[tuple[str, torch.Tensor]]] = []
+    for name, p in params:
+        if layers and _layer_key(layers[-1][0][0]) == _layer_key(name):
+            layers[-1].append((name, p))
+        else:
+            layers.append([(name, p)])
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for layer in layers:
+        layer_bytes = sum(p.numel() * itemsize for _, p in layer)
+        if buckets and size + layer_bytes <= bucket_bytes:
+            buckets[-1].extend(layer)
+            size += layer_bytes
+        else:
+            buckets.append(list(layer))
+            size = layer_bytes
+    return buckets
+
+
+def iter_weight_buckets(
+    model: nn.Module,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    tie_word_embeddings: bool,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
+    """Yield `(gathered_bytes, tensors)` per bucket; `tensors` yields `(hf_name, full tensor in dtype)`.
+
+    The bucket is all-gathered when it is yielded; consume `tensors` before asking for the next bucket.
+    Every rank must call this with the same model and arguments (the all-gathers are collective). Buckets
+    are whole layers, filled up to `bucket_bytes` of the gathered (rollout-dtype) size; a layer bigger than
+    a bucket forms its own bucket. `skip(name)` drops parameters (e.g. a frozen vision tower after the first
+    push); it must give the same answer on every rank.
+    Live memory: one gathered bucket (`_GatheredBucket`, no send buffer or backend temporary) plus the
+    tensors the consumer still holds; a replicated parameter is materialised alone, outside the bucket.
+    """
+    params = [(hf_name(n), p) for n, p in model.named_parameters() if not skip(hf_name(n))]
+    embed_name = next((n for n, _ in params if n.endswith("embed_tokens.weight")), None)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for bucket in _buckets(params, itemsize, bucket_bytes):
+        sharded = [(n, p) for n, p in bucket if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)]
+        gathered = _GatheredBucket(sharded, dtype) if sharded else None
+        lm_head_from = embed_name if tie_word_embeddings else None
+        yield (gathered.num_bytes if gathered else 0), _bucket_tensors(bucket, gathered, dtype, lm_head_from)
+        del gathered
+
+
+def _bucket_tensors(bucket, gathered, dtype: torch.dtype, lm_head_from: str | None):
+    for n, p in bucket:
+        if gathered is not None and n in gathered.layout:
+            t = gathered.take(n)
+        else:  # replicated, or a plain tensor in an unsharded model
+            t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(dtype)
+        yield n, t
+        if n == lm_head_from:
+            yield "lm_head.weight", t
+        del t
+
+
+def iter_sharded_weights(
+    model: nn.Module,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    tie_word_embeddings: bool,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full tensor in dtype)` for every parameter, gathering one bucket at a time
+    (`iter_weight_buckets` flattened)."""
+    buckets = iter_weight_buckets(
+        model, dtype, bucket_bytes, tie_word_embeddings=tie_word_embeddings, skip=skip
+    )
+    for _, tensors in buckets:
+        yield from tensors
+
+
+class _GatheredBucket:
+    """The full tensors of a bucket of FSDP2 dim-0 shards, gathered in the rollout dtype into ONE buffer.
+
+    FSDP2 splits dim 0 like torch.chunk: rank r holds rows [r*c, min(N, (r+1)*c)) with c = ceil(N / world).
+    Each rank pads its shard to c rows so every rank contributes the same flat size. The receive buffer
+    `recv` is [world, per_rank_numel], rank-major. There is no send buffer: each rank casts its shards
+    straight into its own row `recv[rank]` (`copy_` casts, no fp32->dtype temporary), then the other rows
+    are filled in place:
+      - nccl / hccl: `all_gather_into_tensor(recv, recv[rank])`, the in-place form (input = this rank's
+        slice of the output), which PyTorch documents for NCCL;
+      - otherwise (gloo): one `broadcast(recv[r], src=r)` per rank. Gloo has no in-place all-gather and its
+        `all_gather_into_tensor` allocates a second receive-sized temporary (measured with 2 ranks: send +
+        receive + temporary = 2.5 x the bucket live); a broadcast writes into `recv[r]` directly.
+    So the gather holds one receive buffer (`num_bytes`) and nothing else (previously also a 1/world-sized
+    send buffer, plus gloo's receive-sized temporary). A parameter's rows are strided in it: `take` copies
+    one parameter out at a time (peak = this bucket + the parameters the consumer still holds, never two
+    buckets).
+    """
+
+    def __init__(self, sharded: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+        group = sharded[0][1].device_mesh.get_group()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.layout: dict[
+            str, tuple[tuple[int, ...], int, int, int]
+        ] = {}  # name -> (shape, rows, offset, numel)
+        offset = 0
+        for name, p in sharded:
+            c = math.ceil(p.shape[0] / world)
+            numel = c * math.prod(p.shape[1:])
+            self.layout[name] = (tuple(p.shape), c, offset, numel)
+            offset += numel
+        device = sharded[0][1].to_local().device
+        self.recv = torch.empty(world, offset, dtype=dtype, device=device)
+        own = self.recv[rank]
+        for name, p in sharded:
+            shape, c, off, numel = self.layout[name]
+            local = p.to_local().detach()
+            expected_rows = max(0, min(shape[0], (rank + 1) * c) - rank * c)
+            assert local.shape[0] == expected_rows, (name, tuple(local.shape), expected_rows)
+            n = local.numel()
+            own[off : off + n].view(local.shape).copy_(local)  # cast into place
+            own[off + n : off + numel].zero_()  # padding rows (dropped by `take`)
+        if _inplace_all_gather(group, device):
+            dist.all_gather_into_tensor(self.recv.view(-1), own, group=group)
+        else:
+            for r in range(world):
+                dist.broadcast(self.recv[r], src=dist.get_global_rank(group, r), group=group)
+        self.world = world
+        self.num_bytes = self.recv.numel() * self.recv.element_size()
+
+    def take(self, name: str) -> torch.Tensor:
+        shape, c, offset, numel = self.layout[name]
+        per_rank = self.recv[:, offset : offset + numel]
+        return per_rank.reshape(self.world * c, *shape[1:])[: shape[0]].contiguous()
+
+
+def _inplace_all_gather(group, device: torch.device) -> bool:
+    """Whether `group`'s backend for `device` gathers in place into the output (nccl, hccl), unlike gloo."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # a multi-device group, e.g. "cpu:gloo,cuda:nccl": the backend used for `device`
+        backend = dict(kv.split(":", 1) for kv in backend.split(",")).get(device.type, "")
+    return backend in ("nccl", "hccl")

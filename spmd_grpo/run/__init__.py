@@ -1,0 +1,50 @@
+"""A run's life on disk: checkpoints, what a start does with its run directory, and export.
+
+    checkpoint.py  sharded DCP checkpoints with LR schedule, RNG and trainer state; completeness checks
+    start.py       `plan_start`: new run or resume, and which config changes a resume accepts
+    export.py      `python -m spmd_grpo.export CKPT OUT`: a checkpoint as a Hugging Face model directory
+
+The names below are imported on first use, so importing one module of the package stays light.
+"""
+
+from spmd_grpo import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "checkpoint": (
+            "CHECKPOINTS",
+            "TRAINER_STATE",
+            "SCHEDULER",
+            "CONFIG",
+            "LATEST",
+            "missing_parts",
+            "complete_checkpoints",
+            "save_checkpoint",
+            "damaged_parts",
+            "find_checkpoint",
+            "load_checkpoint",
+        ),
+        "export": (
+            "DTYPES",
+            "MODEL_PREFIX",
+            "SIDE_FILE_SUFFIXES",
+            "NOT_COPIED",
+            "export_hf",
+        ),
+        "start": (
+            "MEANING_CHANGING",
+            "DATA_POSITION_KEYS",
+            "NOT_COMPARED",
+            "RUN_RECORDS",
+            "ConfigChange",
+            "StartPlan",
+            "flatten",
+            "plain_config",
+            "diff_configs",
+            "meaning_changes",
+            "run_records",
+            "plan_start",
+        ),
+    },
+)

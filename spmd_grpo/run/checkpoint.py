@@ -1,0 +1,392 @@
+"""Resumable checkpoints: sharded policy + optimizer (torch.distributed.checkpoint), LR schedule, RNG, trainer state.
+
+Layout of `<run_dir>/checkpoints/`:
+
+    global_step_{N}/
+        .metadata, __{rank}_0.distcp  DCP: {"model": policy, "optim": AdamW state} as sharded (DTensor) state
+                                      dicts from `get_state_dict`, keyed by clean FQNs (`hf.model.language_model...`)
+        scheduler.pt                  LR scheduler state (rank 0)
+        rng/rank{r}.pt                python `random`, numpy, torch CPU and accelerator RNG of rank r
+        config.yaml                   the resolved config the run had when it saved (rank 0; what a resume
+                                      compares its config with: start.py)
+        trainer_state.json            the caller's trainer state + `step`, `world_size`, `model_path`
+    latest                            name of the newest checkpoint directory (written atomically)
+
+Completeness rule: a checkpoint directory is COMPLETE iff its name is `global_step_{N}` (no `.tmp` suffix) and
+it contains `trainer_state.json`. That file is written last, after DCP's `.metadata` (itself written only once
+every rank's shards are on disk), the scheduler, the config and every rank's RNG file.
+
+Crash safety: everything is written into `global_step_{N}.tmp/` and renamed by rank 0 once complete, then
+`latest` is replaced atomically (write `latest.tmp`, fsync, `os.replace`). A kill during a save leaves only a
+`.tmp` directory (ignored, with a warning, by `find_checkpoint`) and the previous `latest` / checkpoints. Pruning
+first deletes a checkpoint's `trainer_state.json` (making it incomplete in one step), then the rest, so a kill
+while pruning cannot leave a half-deleted directory that looks complete. `run_dir` must be on a filesystem that
+every rank sees (one shared directory on multi-node runs).
+
+Resharding: DCP stores each tensor's global shape and the chunks each rank wrote; `load_checkpoint` asks for the
+shards of the CURRENT world's DTensors, so a checkpoint saved at world size W loads at any world size (model and
+Adam state). The RNG streams are per rank and are only restored when the world size is unchanged; otherwise they
+restart from the run's seed (logged once).
+
+What a resume restores: the weights, Adam's moments and step counts, the schedule's POSITION, the RNG. The
+optimizer's settings (lr, betas, weight decay, the schedule's base lr and shape) come from the config of the
+run that resumes, so a changed `lr` or `max_steps` takes effect (both the optimizer's and the scheduler's
+state dicts carry the old values, which torch would otherwise restore silently).
+
+The optimizer state must exist when saving: `get_state_dict` initialises an empty AdamW state with a zero-lr step
+(which sets its step counter to 1), so save after the first optimizer step, not before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from spmd_grpo.parallel.collectives import World, barrier
+from spmd_grpo.parallel.devices import device_module
+
+if TYPE_CHECKING:
+    from spmd_grpo.actor.optimizer import OptimizerBundle
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.json"
+SCHEDULER = "scheduler.pt"
+CONFIG = "config.yaml"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+
+
+# ------------------------------------------------------------------------------------------ completeness
+def missing_parts(path: Path) -> list[str]:
+    """What keeps `path` from being a complete checkpoint directory (empty list: it is complete)."""
+    path = Path(path)
+    if not path.is_dir():
+        return ["the directory itself"]
+    missing = []
+    if path.name.endswith(".tmp"):
+        missing.append("a final name (it ends in .tmp: the save did not finish)")
+    if not (path / ".metadata").is_file():
+        missing.append("DCP .metadata")
+    if not (path / TRAINER_STATE).is_file():
+        missing.append(TRAINER_STATE)
+    return missing
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def complete_checkpoints(ckpt_root: Path) -> dict[int, Path]:
+    """step -> directory for every complete `global_step_N` (no warnings)."""
+    if not ckpt_root.is_dir():
+        return {}
+    out = {}
+    for p in ckpt_root.iterdir():
+        step = _step_of(p)
+        if step is not None and p.is_dir() and (p / TRAINER_STATE).is_file():
+            out[step] = p
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ save
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` so that readers see either the old or the new content, never a torn file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _delete_checkpoint(path: Path) -> None:
+    """Make it incomplete first (one unlink), then remove the rest."""
+    (path / TRAINER_STATE).unlink(missing_ok=True)
+    shutil.rmtree(path)
+
+
+def _rng_state(world: World) -> dict:
+    """Every RNG stream of this rank, in types `torch.load(weights_only=True)` accepts (numpy's key array
+    as a tensor: a pickled ndarray would need the unsafe loader)."""
+    mod = device_module(world.device_type)
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },  # fmt: skip
+        "torch": torch.get_rng_state(),
+        "device_type": world.device_type,
+        "device": mod.get_rng_state() if mod is not None else None,
+    }
+
+
+def _set_rng_state(state: dict, world: World) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    mod = device_module(world.device_type)
+    if mod is not None and state["device"] is not None and state["device_type"] == world.device_type:
+        mod.set_rng_state(state["device"])
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    policy: nn.Module,
+    optim: OptimizerBundle,
+    trainer_state: dict,
+    world: World,
+    save_limit: int,
+    model_path: str,
+    config: dict | None = None,
+) -> Path:
+    """Save a complete checkpoint of step `step`; collective (every rank calls it). Returns the final directory.
+
+    `trainer_state` must be JSON-serialisable and should be the same on every rank (rank 0's copy is written).
+    Keeps the newest `save_limit` complete checkpoints (`<= 0`: all); never deletes the one just written.
+    `config`: the run's resolved config as plain data, saved as `config.yaml` with the checkpoint.
+    """
+    if "step" in trainer_state and trainer_state["step"] != step:
+        raise ValueError(f"trainer_state['step']={trainer_state['step']} but saving step {step}")
+    state = {**trainer_state, "step": step, "world_size": world.world_size, "model_path": model_path}
+    state_json = json.dumps(state, indent=2, sort_keys=True)  # fails on every rank before any collective
+
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / f"global_step_{step}"
+    tmp = root / f"global_step_{step}.tmp"
+    if world.is_main:
+        if tmp.exists():  # left by a save of this step that was killed
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+    barrier()
+
+    model_sd, optim_sd = get_state_dict(policy, optim.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # .metadata written last
+    torch.save(_rng_state(world), tmp / "rng" / f"rank{world.rank}.pt")
+    if world.is_main:
+        torch.save(optim.scheduler.state_dict(), tmp / SCHEDULER)
+        if config is not None:
+            (tmp / CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+    barrier()  # every rank's files are on disk
+
+    if world.is_main:
+        _write_atomic(tmp / TRAINER_STATE, state_json)
+        if final.exists():  # a complete checkpoint of the same step (e.g. a rerun): move it aside first
+            stale = root / f"global_step_{step}.old.tmp"
+            if stale.exists():
+                shutil.rmtree(stale)
+            os.replace(final, stale)
+            os.replace(tmp, final)
+            shutil.rmtree(stale)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / LATEST, final.name)
+        _prune(root, keep=final, save_limit=save_limit)
+        log.info("saved checkpoint %s", final)
+    barrier()
+    return final
+
+
+def _prune(root: Path, keep: Path, save_limit: int) -> None:
+    if save_limit <= 0:
+        return
+    complete = sorted(complete_checkpoints(root).items())
+    excess = len(complete) - save_limit
+    for _, path in complete:
+        if excess <= 0:
+            break
+        if path != keep:
+            _delete_checkpoint(path)
+            log.info("deleted old checkpoint %s (save_limit=%d)", path, save_limit)
+            excess -= 1
+
+
+def damaged_parts(path: Path) -> list[str]:
+    """What makes a complete-looking checkpoint unusable, each naming its file: an unreadable
+    trainer_state.json or DCP .metadata, a shard file shorter than the metadata says (a truncated copy, a
+    full disk), a missing scheduler. Reads headers and file sizes only, never the tensors."""
+    problems = []
+    try:
+        json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"{path / TRAINER_STATE}: not readable JSON ({e})")
+    if not (path / SCHEDULER).is_file():
+        problems.append(f"{path / SCHEDULER}: missing")
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a torn pickle raises anything from EOFError to UnpicklingError
+        return [*problems, f"{path / '.metadata'}: unreadable ({type(e).__name__})"]
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        have = file.stat().st_size if file.is_file() else -1
+        if have < size:
+            problems.append(f"{file}: " + ("missing" if have < 0 else f"truncated ({have} of {size} bytes)"))
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ find
+def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from: `none` -> None; `auto` -> the newest complete, undamaged one under
+    `<run_dir>/checkpoints` (None if there is none; damaged ones are reported by file and skipped, so the
+    previous checkpoint is used); anything else -> that directory, which must be complete and undamaged."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        missing = missing_parts(path)
+        if missing:
+            raise ValueError(f"resume={resume!r} is not a complete checkpoint: missing {', '.join(missing)}")
+        damage = damaged_parts(path)
+        if damage:
+            raise ValueError(f"resume={resume!r} is damaged: {'; '.join(damage)}")
+        return path
+
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    complete = complete_checkpoints(root)
+    for p in sorted(root.iterdir()):
+        if p.name.startswith("global_step_") and p not in complete.values():
+            log.warning(
+                "ignoring incomplete checkpoint %s (missing %s)", p, ", ".join(missing_parts(p)) or "?"
+            )
+    for step in sorted(complete, reverse=True):
+        damage = damaged_parts(complete[step])
+        if damage:
+            log.warning("skipping damaged checkpoint %s: %s", complete[step], "; ".join(damage))
+            del complete[step]
+    if not complete:
+        return None
+    newest = complete[max(complete)]
+    latest_file = root / LATEST
+    if latest_file.is_file():
+        named = latest_file.read_text().strip()
+        if named != newest.name:
+            log.warning(
+                "%s names %r but the newest complete checkpoint is %s: resuming from %s",
+                latest_file,
+                named,
+                newest.name,
+                newest,
+            )
+    return newest
+
+
+# ------------------------------------------------------------------------------------------------ load
+def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, world: World) -> dict:
+    """Load policy, optimizer, scheduler and (same world size only) RNG state in place; collective.
+
+    Returns the saved trainer state (the caller's dict plus `step`, `world_size`, `model_path`).
+    """
+    path = Path(path)
+    missing = missing_parts(path)
+    if missing:
+        raise ValueError(f"{path} is not a complete checkpoint: missing {', '.join(missing)}")
+    state = json.loads((path / TRAINER_STATE).read_text())
+
+    settings = [
+        {k: v for k, v in g.items() if k not in ("params", "lr")} for g in optim.optimizer.param_groups
+    ]
+    base_lrs = list(optim.scheduler.base_lrs)
+    model_sd, optim_sd = get_state_dict(policy, optim.optimizer)
+    to_load = {"model": model_sd, "optim": optim_sd}
+    _check_keys(path, to_load)
+    dcp.load(to_load, checkpoint_id=str(path))
+    set_state_dict(
+        policy, optim.optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"]
+    )
+    optim.scheduler.load_state_dict(_load_data(path / SCHEDULER))
+    _keep_settings(optim, settings, base_lrs)
+
+    rng_file = path / "rng" / f"rank{world.rank}.pt"
+    saved_world = state.get("world_size")
+    if saved_world == world.world_size and rng_file.is_file():
+        _set_rng_state(_load_data(rng_file), world)
+    elif world.is_main:
+        why = (
+            f"it was saved at world size {saved_world}, this run has {world.world_size}"
+            if saved_world != world.world_size
+            else f"{rng_file} is missing"
+        )
+        log.warning("RNG streams restart from the seed (not restored from %s): %s", path, why)
+    log.info("resumed from %s (step %s)", path, state.get("step"))
+    return state
+
+
+def _keep_settings(optim: OptimizerBundle, settings: list[dict], base_lrs: list[float]) -> None:
+    """Put back this run's optimizer settings and base lrs over the loaded ones, then set each group's lr to
+    base lr x schedule(saved position), as the scheduler itself computes it."""
+    for group, own in zip(optim.optimizer.param_groups, settings, strict=True):
+        group.update(own)
+    scheduler = optim.scheduler
+    scheduler.base_lrs = base_lrs
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optim.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (torch's load_state_dict sets it the same way)
+
+
+def _load_data(file: Path):
+    """`torch.load` that runs no code: only tensors and plain containers/numbers/strings are accepted, so a
+    checkpoint file carrying a pickled object (which could run anything on load) is refused, naming it."""
+    import pickle
+
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"{file}: refused to load (it holds more than tensors and plain data): {first}"
+        ) from None
+
+
+def _check_keys(path: Path, to_load: dict) -> None:
+    """Fail with the names instead of DCP's error when the policy/optimizer does not match the checkpoint
+    (e.g. a different model or `freeze_vision_tower` changed: the optimizer then holds other parameters)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(to_load)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = sorted(k for k in flat if k not in saved)
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} lacks {len(missing)} entries this policy/optimizer needs (was it saved with a "
+            f"different model or freeze_vision_tower setting?), e.g. {missing[:5]}"
+        )

@@ -1,0 +1,272 @@
+"""Export a training checkpoint as a Hugging Face model directory (transformers / vLLM load it directly).
+
+    python -m spmd_grpo.export CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--model-path DIR] [--shard-size-mb 2048]
+
+Single process, no process group: DCP's no-dist load path. The export streams: the tensors are grouped into
+shards of at most `--shard-size-mb` (in the output dtype) from the DCP metadata alone, and each shard is read
+(only its own byte ranges), cast, written as `model-0000k-of-0000n.safetensors` and freed before the next one,
+so memory holds one shard, never the whole model. One shard is written as `model.safetensors`; more get a
+`model.safetensors.index.json`.
+
+What is written:
+  * the policy's parameters under their HF names (`spmd_grpo.models.weights.hf_name`: no `hf.` prefix, no
+    activation-checkpoint wrapper names). When the source checkpoint uses its family's on-disk names
+    (Qwen2-VL / Qwen2.5-VL: `model.layers.*`, `visual.*`, what `save_pretrained` writes), the same names are
+    used, so every tool that read the source reads the export; otherwise the in-memory names
+    (`model.language_model.*`, what Qwen3-VL checkpoints hold).
+  * no `lm_head.weight` when the config ties word embeddings (transformers and vLLM re-tie it).
+  * no optimizer state (DCP keys under `optim.`).
+  * `config.json` (its dtype set to the export dtype), `generation_config.json` and the tokenizer/processor
+    files, copied from `model_path` as recorded in the checkpoint's trainer_state.json (or `--model-path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+from spmd_grpo.models.families import family_of_model_path
+from spmd_grpo.models.weights import INDEX, hf_name
+from spmd_grpo.run.checkpoint import TRAINER_STATE, missing_parts
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MODEL_PREFIX = "model."  # DCP key prefix of the policy (checkpoint.py saves {"model": ..., "optim": ...})
+# Everything a model directory needs besides its weights (configs, tokenizer, processor, chat template, code).
+SIDE_FILE_SUFFIXES = {".json", ".txt", ".jinja", ".model", ".tiktoken", ".py"}
+NOT_COPIED = {INDEX, "pytorch_model.bin.index.json", TRAINER_STATE}
+
+
+def _source_dir(model_path: str) -> Path:
+    """Local directory of the base model: `model_path` itself, or its hub snapshot (configs/tokenizer only)."""
+    if Path(model_path).is_dir():
+        return Path(model_path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = [f"*{s}" for s in SIDE_FILE_SUFFIXES]
+        return Path(snapshot_download(model_path, allow_patterns=patterns))
+    except Exception as e:
+        raise ValueError(
+            f"model_path {model_path!r} is not a directory and could not be fetched from the hub ({e}); "
+            "pass --model-path with the base model's directory"
+        ) from e
+
+
+def _source_weight_names(src: Path) -> set[str] | None:
+    """Tensor names of the base model's safetensors checkpoint (headers only), or None if it has none."""
+    if (src / INDEX).is_file():
+        return set(json.loads((src / INDEX).read_text())["weight_map"])
+    files = sorted(src.glob("model*.safetensors"))
+    if not files:
+        return None
+    names: set[str] = set()
+    for f in files:
+        with safe_open(f, "pt") as st:
+            names.update(st.keys())
+    return names
+
+
+def _match_source_naming(names: list[str], source: set[str] | None, src: Path) -> list[str]:
+    """The in-memory names if the base checkpoint uses them (Qwen3-VL), else the family's on-disk names."""
+    if source is None or set(names) <= source:
+        return names
+    family = family_of_model_path(str(src))
+    on_disk = [family.on_disk_name(n) for n in names] if family else names
+    if set(on_disk) <= source:
+        return on_disk
+    log.warning("parameter names match neither naming of the base checkpoint; writing in-memory names")
+    return names
+
+
+def _plan_shards(
+    entries: list[tuple[str, str, TensorStorageMetadata]], dtype: torch.dtype, shard_bytes: int
+) -> list[list[tuple[str, str, TensorStorageMetadata]]]:
+    """Consecutive groups of (dcp_key, name, metadata) of at most shard_bytes (a larger tensor: alone)."""
+    shards: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = _out_nbytes(entry[2], dtype)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return [s for s in shards if s]
+
+
+def _out_dtype(saved: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    return dtype if saved.is_floating_point else saved
+
+
+def _out_nbytes(md: TensorStorageMetadata, dtype: torch.dtype) -> int:
+    return md.size.numel() * _out_dtype(md.properties.dtype, dtype).itemsize
+
+
+def _write_config(src: Path, out: Path, dtype_name: str) -> None:
+    """config.json with its dtype fields set to the export dtype (vLLM's `dtype="auto"` reads them)."""
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dtype"] = dtype_name  # transformers 5 reads `dtype`, older releases `torch_dtype`
+    for section in [cfg] + [v for v in cfg.values() if isinstance(v, dict)]:  # text_config, vision_config
+        for key in ("dtype", "torch_dtype"):
+            if section.get(key) is not None:
+                section[key] = dtype_name
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def export_hf(
+    checkpoint_dir: Path | str,
+    out_dir: Path | str,
+    dtype: str = "bfloat16",
+    *,
+    model_path: str | None = None,
+    shard_size_mb: int = 2048,
+) -> Path:
+    """Write the checkpoint's policy as an HF model directory at `out_dir` (see the module docstring)."""
+    from transformers import AutoConfig
+
+    ckpt, out = Path(checkpoint_dir), Path(out_dir)
+    model_path = _check_request(ckpt, dtype, shard_size_mb, model_path=model_path)
+    src = _source_dir(model_path)
+    tie = bool(getattr(AutoConfig.from_pretrained(src), "tie_word_embeddings", False))
+    torch_dtype = DTYPES[dtype]
+    shards = _plan_shards(_model_entries(ckpt, src, tie=tie), torch_dtype, shard_size_mb << 20)
+
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_stale_weights(out)
+    weight_map, total_size = _write_shards(ckpt, out, shards, torch_dtype)
+    _copy_side_files(src, out)
+    _write_config(src, out, dtype)
+    log.info(
+        "exported %s -> %s: %d tensors, %.1f MB in %d file(s), %s%s",
+        ckpt,
+        out,
+        len(weight_map),
+        total_size / 2**20,
+        len(shards),
+        dtype,
+        " (lm_head tied)" if tie else "",
+    )
+    return out
+
+
+def _check_request(ckpt: Path, dtype: str, shard_size_mb: int, *, model_path: str | None) -> str:
+    """Check the export's arguments and the checkpoint; return the base model's path (given or recorded)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if shard_size_mb <= 0:
+        raise ValueError(f"shard_size_mb must be positive, got {shard_size_mb}")
+    missing = missing_parts(ckpt)
+    if missing:
+        raise ValueError(f"{ckpt} is not a complete checkpoint: missing {', '.join(missing)}")
+    trainer_state = json.loads((ckpt / TRAINER_STATE).read_text())
+    model_path = model_path or trainer_state.get("model_path")
+    if not model_path:
+        raise ValueError(f"{ckpt / TRAINER_STATE} records no model_path: pass --model-path")
+    return model_path
+
+
+def _model_entries(ckpt: Path, src: Path, *, tie: bool) -> list[tuple[str, str, TensorStorageMetadata]]:
+    """(DCP key, output name, metadata) of every policy tensor to write, from the DCP metadata alone."""
+    metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    keys = [
+        k
+        for k, md in metadata.items()
+        if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)
+    ]
+    named = {hf_name(k.removeprefix(MODEL_PREFIX)): k for k in keys}  # HF name -> DCP key
+    assert len(named) == len(keys), "two checkpoint entries map to one HF name"
+    if tie:
+        named.pop("lm_head.weight", None)  # re-tied to the embeddings on load
+    names = _match_source_naming(list(named), _source_weight_names(src), src)
+    entries = [(k, n, metadata[k]) for k, n in zip(named.values(), names, strict=True)]
+    if not entries:
+        raise ValueError(f"{ckpt} holds no model tensors (DCP keys starting with {MODEL_PREFIX!r})")
+    return entries
+
+
+def _remove_stale_weights(out: Path) -> None:
+    """Delete weight files (and an index) a previous export left in `out`: they would mix with the new ones."""
+    stale = sorted(out.glob("model*.safetensors")) + sorted(out.glob(INDEX))
+    if stale:
+        log.warning("replacing the weights already in %s: %s", out, [p.name for p in stale])
+        for p in stale:
+            p.unlink()
+
+
+def _write_shards(
+    ckpt: Path, out: Path, shards: list[list[tuple[str, str, TensorStorageMetadata]]], dtype: torch.dtype
+) -> tuple[dict[str, str], int]:
+    """Read, cast and write one shard at a time (plus the index if more than one); (weight_map, total bytes)."""
+    weight_map, total_size = {}, 0
+    for i, shard in enumerate(shards):
+        fname = (
+            "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        buffers = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, _, md in shard}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(buffers, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+        tensors = {
+            n: buffers.pop(k).to(_out_dtype(md.properties.dtype, dtype)).contiguous() for k, n, md in shard
+        }
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for n, t in tensors.items():
+            weight_map[n] = fname
+            total_size += t.numel() * t.element_size()
+        del buffers, tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map, total_size
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """Copy the base model's configs, tokenizer and processor files (config.json is rewritten separately)."""
+    for f in sorted(src.iterdir()):
+        if (
+            f.is_file()
+            and f.suffix in SIDE_FILE_SUFFIXES
+            and f.name not in NOT_COPIED
+            and f.name != "config.json"
+        ):
+            shutil.copy2(f, out / f.name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m spmd_grpo.export", description=__doc__.split("\n")[0])
+    ap.add_argument("checkpoint_dir", type=Path, help="a complete checkpoints/global_step_N directory")
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--model-path", default=None, help="base model directory (default: the one recorded)")
+    ap.add_argument("--shard-size-mb", type=int, default=2048, help="largest safetensors file (MB)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = export_hf(
+            args.checkpoint_dir,
+            args.out_dir,
+            args.dtype,
+            model_path=args.model_path,
+            shard_size_mb=args.shard_size_mb,
+        )
+    except ValueError as e:
+        print(f"export error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""What a start does with its run directory, decided before anything is written or loaded.
+
+`plan_start(cfg)` runs in `spmd_grpo.train` on every rank, after the config is validated and before the
+process group exists. It only reads files, and nothing is written until every rank has joined the process
+group (which needs every rank past this point), so all ranks decide from the same files. A problem is a
+`ConfigError`: one line, exit code 2, before any model or vLLM engine is built.
+
+The run directory (`<trainer.output_dir>/<trainer.experiment_name>`) HOLDS A RUN when it has a
+`config.yaml`, `metrics.jsonl`, `val_generations.jsonl`, `tensorboard/` or a non-empty `checkpoints/`
+(rank log files alone do not count: they are only ever appended to). `trainer.resume`:
+
+    auto  (default) continue the run the directory holds, from its newest complete, undamaged checkpoint.
+          Without one (the run died before its first save, or never saves) the run restarts at step 0 and
+          the loggers move its earlier rows aside. Checkpoints that look complete but are ALL damaged are an
+          error: restarting would silently drop the run's progress. An empty directory: a new run.
+    none  a new run: an error, naming the directory and the options, if the directory holds a run. A new
+          run never appends to or overwrites another run's metrics, config or checkpoints.
+    PATH  that checkpoint: one of this run's (under `<run dir>/checkpoints/`: the run goes back to it), or
+          another run's when this directory holds no run yet (a new run that starts from its state).
+
+The config diff. The saved config is the checkpoint's `config.yaml` (written with every checkpoint), else
+(checkpoints saved before that) the `config.yaml` of the checkpoint's run directory, else, with no
+checkpoint, this run directory's `config.yaml`. Both are flattened to dotted keys and compared key by key
+(as YAML reads them back, so `1e-6` equals `1.0e-06`; `trainer.resume` and `trainer.allow_config_change`
+are not compared). Each difference is either
+
+  * MEANING-CHANGING (`MEANING_CHANGING` below, with the reason printed in the error): the saved state would
+    be read as something it is not. An error listing `key: old -> new` and the override that allows it,
+    `trainer.allow_config_change=[key,...]` (explicit keys, no wildcard: a careful user names what they
+    accept). The list, by what the saved state is:
+      - the weights and the optimizer's parameters: `worker.actor.model.model_path` (also the reference
+        model), `tokenizer_path` (token ids), `freeze_vision_tower` (which parameters have Adam state);
+      - the data position (epoch, batches drawn) indexes a filtered, shuffled data set: `data.train_files`,
+        the row keys, `format_prompt`, `system_prompt`, `num_builtin_examples`, `max_prompt_length` and the
+        pixel limits (the length filter), `shuffle`, `data.seed` (the order), `rollout_batch_size`;
+      - the step the step counter, the data position and the LR schedule count: `data.rollout_batch_size`,
+        `worker.rollout.n`, `worker.actor.global_batch_size`, `ppo_epochs`, `data.max_response_length`,
+        DAPO's `filter_groups.enable` / `train_batch_size`;
+      - the objective the Adam moments were accumulated for (gradient scale and direction):
+        `algorithm.adv_estimator`, `norm_adv_by_std_in_grpo`, `adv_std_scope`, `worker.actor.loss_mode`,
+        `loss_agg_mode`.
+    An allowed change to a data-position key drops the saved data position (sampling starts over at the
+    first batch of the new data; one warning): the old position would point into other examples.
+  * EVERYTHING ELSE takes effect and is reported, one line each (`resume: worker.actor.optim.lr 1e-06 ->
+    5e-07`): the learning rate and its schedule (the optimizer's settings come from the config, only Adam's
+    moments and the schedule's position from the checkpoint: checkpoint.load_checkpoint), KL/entropy/clip
+    coefficients, the reward function, sampling settings, `max_steps`/`total_epochs`, `trainer.seed` (the
+    saved RNG streams are restored; the seed only names future sampling seeds), dtypes (the policy's fp32
+    master weights are what is saved), parallelism, memory and logging settings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from spmd_grpo.config.checks import ConfigError
+from spmd_grpo.config.loader import to_dict
+from spmd_grpo.config.schema import Config
+from spmd_grpo.run.checkpoint import CHECKPOINTS, CONFIG, complete_checkpoints, find_checkpoint
+
+_WEIGHTS = "the saved weights and optimizer state belong to it"
+_DATA = "the saved data position indexes this data set"
+_STEP = "a step's shape: the saved step count, data position and LR schedule count these steps"
+_OBJECTIVE = "the objective the saved Adam moments were accumulated for"
+MEANING_CHANGING: dict[str, str] = {
+    "worker.actor.model.model_path": _WEIGHTS + " (and the reference model is built from it)",
+    "worker.actor.model.tokenizer_path": "the token ids the policy was trained on",
+    "worker.actor.model.freeze_vision_tower": "which parameters the saved optimizer state covers",
+    **dict.fromkeys(
+        [
+            *(f"data.{k}" for k in ("train_files", "prompt_key", "answer_key", "image_key", "format_prompt")),
+            *(f"data.{k}" for k in ("system_prompt", "num_builtin_examples", "max_prompt_length")),
+            *(f"data.{k}" for k in ("min_pixels", "max_pixels", "shuffle", "seed")),
+        ],
+        _DATA,
+    ),
+    "data.rollout_batch_size": _STEP + "; " + _DATA + " in batches of this size",
+    **dict.fromkeys(
+        [
+            "worker.rollout.n",
+            "worker.actor.global_batch_size",
+            "worker.actor.ppo_epochs",
+            "data.max_response_length",
+            "algorithm.filter_groups.enable",
+            "algorithm.filter_groups.train_batch_size",
+        ],
+        _STEP,
+    ),
+    **dict.fromkeys(
+        [
+            "algorithm.adv_estimator",
+            "algorithm.norm_adv_by_std_in_grpo",
+            "algorithm.adv_std_scope",
+            "worker.actor.loss_mode",
+            "worker.actor.loss_agg_mode",
+        ],
+        _OBJECTIVE,
+    ),
+}
+DATA_POSITION_KEYS = frozenset(k for k, why in MEANING_CHANGING.items() if _DATA in why)
+NOT_COMPARED = ("trainer.resume", "trainer.allow_config_change")
+RUN_RECORDS = ("config.yaml", "metrics.jsonl", "val_generations.jsonl", "tensorboard", CHECKPOINTS)
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """One dotted key whose value differs between the saved config and this one."""
+
+    key: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.key} {_show(self.old)} -> {_show(self.new)}"
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is _ABSENT else json.dumps(value)
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """What this start does: resume `checkpoint` (None: start at step 0) with `changes` since `saved_config`."""
+
+    run_dir: Path
+    checkpoint: Path | None
+    changes: tuple[ConfigChange, ...] = ()
+    saved_config: Path | None = None
+    """The saved config file the diff read (None: a new run, or nothing saved to compare with)."""
+    restart: bool = False
+    """The directory holds a run without a checkpoint to resume: it starts over at step 0."""
+
+    @property
+    def reset_data_position(self) -> bool:
+        """An allowed change made the saved data position meaningless: sampling starts over."""
+        return any(c.key in DATA_POSITION_KEYS for c in self.changes)
+
+    def lines(self) -> list[str]:
+        """What rank 0 logs at start-up: the decision, then one line per config change."""
+        if self.checkpoint is not None:
+            head = f"start: resuming {self.checkpoint}"
+        elif self.restart:
+            head = f"start: {self.run_dir} holds no complete checkpoint: the run restarts at step 0"
+        else:
+            head = f"start: new run in {self.run_dir}"
+        if self.saved_config is not None:
+            head += f" (config compared with {self.saved_config}: {len(self.changes)} changes)"
+        elif self.checkpoint is not None:
+            head += " (no saved config to compare with: changes are not checked)"
+        lines = [head, *(f"resume: {c}" for c in self.changes)]
+        if self.reset_data_position:
+            lines.append(
+                "resume: the saved data position is dropped (the data changed): sampling starts over"
+            )
+        return lines
+
+
+# ------------------------------------------------------------------------------------------------ diff
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys -> leaf values (lists stay values)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def plain_config(cfg: Config) -> dict[str, Any]:
+    """`cfg` as its saved `config.yaml` reads back (tuples as lists, floats as YAML writes them)."""
+    return yaml.safe_load(yaml.safe_dump(json.loads(json.dumps(to_dict(cfg))), sort_keys=False))
+
+
+def diff_configs(saved: dict[str, Any], new: dict[str, Any]) -> list[ConfigChange]:
+    """Every dotted key whose value differs (a key only one side has counts), sorted by key."""
+    old_flat, new_flat = flatten(saved), flatten(new)
+    keys = sorted((old_flat.keys() | new_flat.keys()) - set(NOT_COMPARED))
+    return [
+        ConfigChange(k, old_flat.get(k, _ABSENT), new_flat.get(k, _ABSENT))
+        for k in keys
+        if old_flat.get(k, _ABSENT) != new_flat.get(k, _ABSENT)
+    ]
+
+
+def meaning_changes(changes: list[ConfigChange], allowed: tuple[str, ...]) -> list[ConfigChange]:
+    """The changes that would change what the saved state means and are not in `allowed`."""
+    return [c for c in changes if c.key in MEANING_CHANGING and c.key not in allowed]
+
+
+# ------------------------------------------------------------------------------------------------ plan
+def run_records(run_dir: Path) -> list[str]:
+    """The files of `RUN_RECORDS` that `run_dir` holds (a `checkpoints/` directory only when not empty)."""
+    found = []
+    for name in RUN_RECORDS:
+        path = run_dir / name
+        if path.is_file() or (path.is_dir() and any(path.iterdir())):
+            found.append(name)
+    return found
+
+
+def plan_start(cfg: Config) -> StartPlan:
+    """Decide new run / resume / restart for `cfg` and check the config against the saved one; raises
+    ConfigError (ValueError for a `trainer.resume` path that is not a usable checkpoint), naming files."""
+    run_dir, mode = cfg.run_dir, cfg.trainer.resume
+    new = plain_config(cfg)
+    _check_allow_list(cfg.trainer.allow_config_change, flatten(new))
+    records = run_records(run_dir)
+    if mode == "none":
+        if records:
+            raise ConfigError(
+                f"{run_dir} already holds a run ({', '.join(records)}) and trainer.resume=none starts a new "
+                "one: trainer.resume=auto continues that run; for a new run pick another "
+                "trainer.experiment_name or trainer.output_dir (or remove the directory)"
+            )
+        return StartPlan(run_dir, None)
+    checkpoint = _checkpoint_to_resume(run_dir, mode, records)
+    saved_file = _saved_config_file(run_dir, checkpoint)
+    if saved_file is None:
+        return StartPlan(run_dir, checkpoint, restart=checkpoint is None and bool(records))
+    changes = diff_configs(_read_config(saved_file), new)
+    refused = meaning_changes(changes, cfg.trainer.allow_config_change)
+    if refused:
+        raise ConfigError(_refusal(run_dir, checkpoint, saved_file, refused))
+    return StartPlan(run_dir, checkpoint, tuple(changes), saved_file, restart=checkpoint is None)
+
+
+def _check_allow_list(allowed: tuple[str, ...], known: dict[str, Any]) -> None:
+    for key in allowed:
+        if key not in known:
+            raise ConfigError(f"trainer.allow_config_change: unknown config key {key}")
+
+
+def _checkpoint_to_resume(run_dir: Path, mode: str, records: list[str]) -> Path | None:
+    root = run_dir / CHECKPOINTS
+    if mode == "auto":
+        checkpoint = find_checkpoint(run_dir, "auto")  # logs the incomplete and damaged ones by file
+        if checkpoint is None and complete_checkpoints(root):
+            raise ConfigError(
+                f"every checkpoint in {root} is damaged (each named in the warnings above) and restarting "
+                "at step 0 would drop the run's progress: resume one with trainer.resume=PATH after repairing "
+                "it, move them aside to restart the run, or pick another trainer.experiment_name for a new run"
+            )
+        return checkpoint
+    checkpoint = find_checkpoint(run_dir, mode)  # ValueError naming the missing or damaged file
+    ours = checkpoint.resolve().parent == root.resolve()
+    if records and not ours:
+        raise ConfigError(
+            f"{run_dir} already holds a run ({', '.join(records)}); starting from another run's checkpoint "
+            f"{checkpoint} in it would mix the two: pick another trainer.experiment_name or trainer.output_dir"
+        )
+    return checkpoint
+
+
+def _saved_config_file(run_dir: Path, checkpoint: Path | None) -> Path | None:
+    if checkpoint is None:
+        candidates = [run_dir / CONFIG]
+    else:  # checkpoints saved before configs were saved with them: their run's config.yaml
+        candidates = [checkpoint / CONFIG, checkpoint.parent.parent / CONFIG]
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: the saved config is not readable: {str(e).splitlines()[0]}") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path}: the saved config is not a mapping")
+    return saved
+
+
+def _refusal(run_dir: Path, checkpoint: Path | None, saved_file: Path, refused: list[ConfigChange]) -> str:
+    what = f"resuming {checkpoint}" if checkpoint else f"restarting the run in {run_dir}"
+    listed = "; ".join(f"{c} ({MEANING_CHANGING[c.key]})" for c in refused)
+    keys = ",".join(c.key for c in refused)
+    return (
+        f"{what} with a config that changes what its saved state means (compared with {saved_file}): "
+        f"{listed}. To continue with the new values add trainer.allow_config_change=[{keys}]; "
+        "for a new run pick another trainer.experiment_name or trainer.output_dir"
+    )

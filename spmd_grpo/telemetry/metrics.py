@@ -1,0 +1,168 @@
+"""Step metrics: timers, global reductions across ranks, and the run directory's `metrics.jsonl`.
+
+Names follow verl (`timing_s/gen`, `actor/pg_loss`, `critic/score/mean`, `response_length/mean`,
+`perf/throughput`, ...). Every figure is a reduction over ALL ranks (sum/count for means, max, min), so
+rank 0 prints and writes global values, not its own shard's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from spmd_grpo.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_min, all_reduce_sum
+from spmd_grpo.parallel.devices import cpu_memory_used_gb, max_memory_allocated_gb, synchronize
+
+if TYPE_CHECKING:
+    from spmd_grpo.data.samples import Sample
+
+
+class Timer:
+    """Accumulates wall time per phase name (`timing_s/<name>`), synchronising the device at the edges."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        synchronize(self.device_type)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device_type)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """Max over ranks: a phase takes as long as its slowest rank."""
+        names = sorted(self.seconds)
+        values = all_reduce_max(torch.tensor([self.seconds[n] for n in names], dtype=torch.float64))
+        return {f"timing_s/{n}": float(v) for n, v in zip(names, values, strict=True)}
+
+
+def global_stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """`{prefix}/mean|max|min` of a 1-D tensor whose entries are spread over all ranks."""
+    values = values.detach().double().flatten()
+    total = all_reduce_sum(torch.tensor([values.sum().item(), float(values.numel())], dtype=torch.float64))
+    inf = float("inf")
+    vmax = all_reduce_max(
+        torch.tensor([values.max().item() if values.numel() else -inf], dtype=torch.float64)
+    )
+    vmin = all_reduce_min(torch.tensor([values.min().item() if values.numel() else inf], dtype=torch.float64))
+    return {
+        f"{prefix}/mean": float(total[0] / total[1]) if total[1] > 0 else 0.0,
+        f"{prefix}/max": float(vmax),
+        f"{prefix}/min": float(vmin),
+    }
+
+
+def global_means(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """{name: (local sum, local count)} -> {name: global sum / global count} in one all-reduce."""
+    names = sorted(sums)
+    if not names:
+        return {}
+    packed = all_reduce_sum(torch.tensor([[sums[n][0], sums[n][1]] for n in names], dtype=torch.float64))
+    return {n: float(s / c) if c > 0 else 0.0 for n, (s, c) in zip(names, packed.tolist(), strict=True)}
+
+
+class MetricsWriter:
+    """Rank 0 appends one JSON line per step to `<run_dir>/metrics.jsonl` (flushed: a crash loses nothing)."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+
+
+def console_line(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in [
+        ("critic/score/mean", "score", ".3f"),
+        ("reward/accuracy", "acc", ".3f"),
+        ("actor/pg_loss", "pg_loss", "+.4f"),
+        ("actor/kl_loss", "kl", ".4f"),
+        ("actor/entropy", "ent", ".3f"),
+        ("actor/grad_norm", "gnorm", ".3f"),
+        ("response_length/mean", "resp_len", ".1f"),
+        ("rollout/logprob_diff_max", "lp_diff_max", ".1e"),
+        ("timing_s/step", "s/step", ".2f"),
+    ]:
+        if key in m:
+            parts.append(f"{label} {m[key]:{fmt}}")
+    parts += [
+        f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in sorted(m.items()) if k.startswith("val-core/")
+    ]
+    return " | ".join(parts)
+
+
+def sample_metrics(samples: list[Sample], max_response_length: int) -> dict[str, float]:
+    """verl's per-step sample statistics, global over ranks: scores, advantages, reward terms, lengths,
+    and the trainer-vs-vLLM logprob gap (`rollout/logprob_diff_*`, needs `old_logprobs`)."""
+    scores = torch.tensor([s.scores["overall"] for s in samples])
+    m = global_stats("critic/score", scores)
+    m.update(global_stats("critic/rewards", scores))
+    m.update(global_stats("critic/advantages", torch.tensor([s.advantage for s in samples])))
+    keys = [k for k in samples[0].scores if k != "overall"] if samples else []
+    terms = {k: torch.tensor([s.scores[k] for s in samples]) for k in keys}  # float32, as the reward returns
+    m.update(global_means({f"reward/{k}": (float(v.sum()), v.numel()) for k, v in terms.items()}))
+    response_lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float64)
+    m.update(global_stats("response_length", response_lengths))
+    m.update(length_quantiles(response_lengths))
+    m.update(global_stats("prompt_length", prompt_lengths))
+    clipped = sum(len(s.response_ids) >= max_response_length for s in samples)
+    diffs = [
+        abs(a - b) for s in samples for a, b in zip(s.rollout_logprobs, s.old_logprobs.tolist(), strict=True)
+    ]
+    m.update(
+        global_means(
+            {
+                "response_length/clip_ratio": (clipped, len(samples)),
+                "rollout/logprob_diff_mean": (sum(diffs), len(diffs)),
+            }
+        )
+    )
+    m["rollout/logprob_diff_max"] = float(all_reduce_max(torch.tensor([max(diffs, default=0.0)])))
+    local_tokens = float(response_lengths.sum() + prompt_lengths.sum())
+    m["perf/total_num_tokens"] = float(all_reduce_sum(torch.tensor([local_tokens], dtype=torch.float64)))
+    return m
+
+
+def length_quantiles(lengths: torch.Tensor) -> dict[str, float]:
+    """`response_length/p50|p90` over every rank's samples (all-gathered: one number per sample), to show
+    how long-tailed the lengths are; 0 when no rank has a sample."""
+    everything = [x for part in all_gather_objects(lengths.tolist()) for x in part]
+    if not everything:
+        return {"response_length/p50": 0.0, "response_length/p90": 0.0}
+    q = torch.quantile(
+        torch.tensor(everything, dtype=torch.float64), torch.tensor([0.5, 0.9], dtype=torch.float64)
+    )
+    return {"response_length/p50": float(q[0]), "response_length/p90": float(q[1])}
+
+
+def perf_metrics(m: dict[str, float], device_type: str, world_size: int) -> dict[str, float]:
+    """`perf/*` from the step's timings and token count (throughput = tokens / (step time x devices)) and
+    the peak memory over ranks."""
+    return {
+        "perf/time_per_step": m["timing_s/step"],
+        "perf/throughput": m["perf/total_num_tokens"] / (m["timing_s/step"] * world_size),
+        "perf/max_memory_allocated_gb": float(
+            all_reduce_max(torch.tensor([max_memory_allocated_gb(device_type)]))
+        ),
+        "perf/cpu_memory_used_gb": float(all_reduce_max(torch.tensor([cpu_memory_used_gb()]))),
+    }
