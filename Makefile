@@ -20,36 +20,41 @@ $(STAMP): pyproject.toml uv.lock
 
 install: $(STAMP)
 
-# The full suite CI runs: unit tests, real torchrun (gloo) tests, real vLLM CPU engine tests.
+# What CI runs (.ci/run), failing fast: lint, then the unit tier (seconds), then the torchrun and vLLM tiers.
+# A test's tier is its folder under tests/ (tests/conftest.py marks it).
 test: install
-	$(PY) -m pytest -q --durations=25
+	@$(MAKE) --no-print-directory lint
+	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q --durations=25 tests/distributed tests/engine tests/gpu
 
-# Pure unit tests: seconds, no process groups, no engine.
+# Pure unit tests: no process group, no engine; prints its wall time against the 30 s budget.
 test-fast: install
-	$(PY) -m pytest -q -m "not dist and not engine and not gpu"
+	$(PY) -m pytest -q --durations=5 tests/unit
 
+# Real torchrun with gloo on CPU.
 test-dist: install
-	$(PY) -m pytest -q -m dist
+	$(PY) -m pytest -q --durations=10 tests/distributed
 
+# The real in-process vLLM CPU engine (training loops, resume, export, shipped configs).
 test-engine: install
-	$(PY) -m pytest -q -m engine
+	$(PY) -m pytest -q --durations=10 tests/engine
 
 # The accelerator tier: bf16 parity, sleep/wake memory, weight-sync bandwidth (skipped without CUDA).
 test-gpu: install
-	$(PY) -m pytest -q -rs -s -m gpu
+	$(PY) -m pytest -q -rs -s tests/gpu
 
 # The main job on the built-in tiny default: 2 ranks under torchrun on this machine.
 smoke-test: install
 	$(PY) -m spmd_grpo.smoke
 
 lint: install
-	$(PY) -m ruff check spmd_grpo tests
-	$(PY) -m ruff format --check spmd_grpo tests
+	$(PY) -m ruff check spmd_grpo tests benchmarks
+	$(PY) -m ruff format --check spmd_grpo tests benchmarks
 	$(VENV)/bin/shellcheck launch/*.sh launch/slurm/*.sbatch
 
 fmt: install
-	$(PY) -m ruff format spmd_grpo tests
-	$(PY) -m ruff check --fix spmd_grpo tests
+	$(PY) -m ruff format spmd_grpo tests benchmarks
+	$(PY) -m ruff check --fix spmd_grpo tests benchmarks
 
 clean:
 	rm -rf .cache runs .pytest_cache

@@ -91,19 +91,15 @@ def builders(actor, world):
 def build_engine(actor, world, policy):
     """The rollout engine as the trainer builds it (vLLM with dummy weights, fp32 on CPU, 1 GiB KV cache),
     then its first weight push (every weight, from the sharded policy)."""
-    from spmd_grpo.config.workers import RolloutConfig
+    from spmd_grpo.config.loader import load_config
     from spmd_grpo.rollout.engine import RolloutEngine
 
-    engine = RolloutEngine(
-        actor.model.model_path,
-        RolloutConfig(dtype="float32", kv_cache_memory_gb=1.0, weight_sync_bucket_mb=64),
-        world,
-        max_model_len=1024,
-        dtype=torch.float32,
-        min_pixels=3136,
-        max_pixels=262144,
-        seed=0,
-        tie_word_embeddings=bool(policy.config.tie_word_embeddings),
+    cfg = load_config(None, [
+        f"worker.actor.model.model_path={actor.model.model_path}", "worker.rollout.dtype=float32",
+        "worker.rollout.kv_cache_memory_gb=1.0", "worker.rollout.weight_sync_bucket_mb=64", "trainer.seed=0",
+    ])  # fmt: skip
+    engine = RolloutEngine.from_config(
+        cfg, world, tie_word_embeddings=bool(policy.config.tie_word_embeddings)
     )
     with engine.rollout_mode(policy, 0):
         pass

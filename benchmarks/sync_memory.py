@@ -144,7 +144,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import spmd_grpo.rollout.engine as engine_mod
-    from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
+    from spmd_grpo.config.loader import load_config
     from spmd_grpo.models.build import DTYPES, build_policy
     from spmd_grpo.parallel.collectives import init_distributed
     from spmd_grpo.rollout.engine import RolloutEngine
@@ -158,20 +158,14 @@ def main() -> None:
     itemsize = torch.empty((), dtype=dtype).element_size()
     bucket_bytes = args.bucket_mb * MiB
 
-    actor = ActorConfig(model=ModelConfig(model_path=str(model_dir)), fsdp=FSDPConfig(param_dtype="float32"))
-    policy = build_policy(actor, world)
+    cfg = load_config(None, [
+        f"worker.actor.model.model_path={model_dir}", "worker.actor.fsdp.param_dtype=float32",
+        f"worker.rollout.dtype={args.dtype}", f"worker.rollout.weight_sync_bucket_mb={args.bucket_mb}",
+        "trainer.seed=0",
+    ])  # fmt: skip
+    policy = build_policy(cfg.worker.actor, world)
     tie = bool(policy.config.tie_word_embeddings)
-    engine = RolloutEngine(
-        str(model_dir),
-        RolloutConfig(dtype=args.dtype, weight_sync_bucket_mb=args.bucket_mb),
-        world,
-        max_model_len=1024,
-        dtype=dtype,
-        min_pixels=3136,
-        max_pixels=262144,
-        seed=0,
-        tie_word_embeddings=tie,
-    )
+    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tie)
 
     # Sizes, from the global (unsharded) shapes; what a push streams (lm_head twice-counted only if tied).
     shapes = {n: tuple(p.shape) for n, p in policy.named_parameters()}

@@ -41,7 +41,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import yaml
 
 from spmd_grpo import parallel as D
 from spmd_grpo.actor.image_features import encode_images
@@ -51,19 +50,18 @@ from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.actor.update import update_policy
 from spmd_grpo.algorithm.advantage import compute_batch_std_advantages, compute_grpo_advantages
 from spmd_grpo.algorithm.reward import load_reward_function, overlong_penalty, score_samples
-from spmd_grpo.config.loader import dump_yaml
 from spmd_grpo.config.schema import Config
 from spmd_grpo.data.dataset import load_dataset
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.data.samples import Prompt, Sample
-from spmd_grpo.models.build import build_policy, build_reference, resolve_dtype
+from spmd_grpo.models.build import build_policy, build_reference
 from spmd_grpo.rollout.dynamic_sampling import collect_groups
 from spmd_grpo.rollout.engine import RolloutEngine
 from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, generate
 from spmd_grpo.rollout.validation import VAL_SEED_OFFSET, validate
 from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
-from spmd_grpo.run.start import StartPlan, plain_config, plan_start
-from spmd_grpo.telemetry.loggers import Loggers, build_loggers
+from spmd_grpo.run.start import StartPlan, plain_config, plan_start, write_run_config
+from spmd_grpo.telemetry.loggers import Loggers, build_loggers, setup_logging
 from spmd_grpo.telemetry.metrics import Timer, perf_metrics, sample_metrics
 
 log = logging.getLogger("spmd_grpo")
@@ -120,7 +118,9 @@ class Trainer:
         self.optim = build_optimizer(self.policy, actor.optim, self.total_steps)
         self.reference = build_reference(actor, cfg.worker.ref, world) if cfg.algorithm.use_kl_loss else None
         self.tp_group = D.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
-        self.engine = self._build_engine()
+        self.engine = RolloutEngine.from_config(
+            cfg, world, tie_word_embeddings=bool(self.policy.config.tie_word_embeddings)
+        )
         self.reward_fn = load_reward_function(
             cfg.worker.reward.reward_function, cfg.worker.reward.format_weight
         )
@@ -129,21 +129,6 @@ class Trainer:
             cfg, world_size=world.world_size, pad_token_id=self.processor.tokenizer.pad_token_id
         )
         self.loggers = Loggers([])  # made in `_start`, after resume (they start after the resumed step)
-
-    def _build_engine(self) -> RolloutEngine:
-        d, rollout = self.cfg.data, self.cfg.worker.rollout
-        return RolloutEngine(
-            self.cfg.worker.actor.model.model_path,
-            rollout,
-            self.world,
-            max_model_len=self.cfg.max_model_len,
-            dtype=resolve_dtype(rollout.dtype, self.world.device_type),
-            min_pixels=d.min_pixels,
-            max_pixels=d.max_pixels,
-            seed=self.cfg.trainer.seed,
-            tie_word_embeddings=bool(self.policy.config.tie_word_embeddings),
-            trust_remote_code=self.cfg.worker.actor.model.trust_remote_code,
-        )
 
     def _sampling_configs(self) -> tuple[SamplingConfig, SamplingConfig]:
         r, max_tokens, seed = (
@@ -206,7 +191,7 @@ class Trainer:
         """Resume, write the resolved config, listen for preemption, validate before training if asked."""
         self.resume()
         if self.world.is_main:
-            self._write_config()
+            write_run_config(self.cfg, self.state.step)
             log.info(
                 "run dir %s; %d prompts, %d steps, world %d",
                 self.cfg.run_dir,
@@ -226,7 +211,7 @@ class Trainer:
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )
         self.stop.install()  # again: building vLLM may have set its own SIGTERM/SIGINT handlers
-        self._check_shutdown_timeout()
+        D.warn_if_grace_outlasts_shutdown(self.cfg.trainer.preempt_grace_s, is_main=self.world.is_main)
         if self.state.step == 0 and self._validation_due(0):
             timer = Timer(self.world.device_type)
             self.write_metrics(0, timer, self.validate(0, timer))
@@ -237,19 +222,6 @@ class Trainer:
         signum = torch.tensor([self.stop.signum or 0], device=self.world.device)
         self.state.stop_signal = int(D.all_reduce_max(signum).item()) or None
         return self.state.stop_signal is not None
-
-    def _check_shutdown_timeout(self) -> None:
-        """torchrun SIGKILLs its workers `--shutdown_timeout` seconds after forwarding a signal: a longer
-        grace period would be cut short there (the flag itself is invisible to the workers)."""
-        shutdown_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-        grace_s = self.cfg.trainer.preempt_grace_s
-        if "TORCHELASTIC_RUN_ID" in os.environ and grace_s >= shutdown_s and self.world.is_main:
-            log.warning(
-                "trainer.preempt_grace_s=%g is not below torchrun's shutdown timeout (%g s unless "
-                "--shutdown_timeout says otherwise): torchrun may SIGKILL the ranks before they save",
-                grace_s,
-                shutdown_s,
-            )
 
     def _finish(self) -> None:
         self.loggers.close()
@@ -390,19 +362,6 @@ class Trainer:
             self.sampler.load_state_dict(saved["sampler"])
         self.state.step, self.state.version = saved["step"], saved["version"]
 
-    def _write_config(self) -> None:
-        """The resolved config as `<run dir>/config.yaml`; a different one already there (the run's config
-        before a resume that changed settings) is kept as `config.until_step_<k>.yaml`."""
-        path = self.cfg.run_dir / "config.yaml"
-        if path.is_file() and _read_yaml(path) != plain_config(self.cfg):
-            kept, i = path.with_name(f"config.until_step_{self.state.step}.yaml"), 0
-            while kept.exists():  # never over an earlier kept one (resumed from this step before)
-                i += 1
-                kept = path.with_name(f"config.until_step_{self.state.step}.{i}.yaml")
-            path.replace(kept)
-            log.info("the run's previous config moved to %s", kept)
-        dump_yaml(self.cfg, path)
-
     def write_metrics(self, step: int, timer: Timer, m: dict[str, float]) -> None:
         """The step's metrics (global over ranks; collective) to the loggers (rank 0 has them)."""
         m = {**timer.metrics(), **m}
@@ -413,13 +372,6 @@ class Trainer:
     def _log_memory(self, phase: str) -> None:
         if self.cfg.trainer.log_memory:
             log.info(D.memory_line(self.world.device_type, phase))
-
-
-def _read_yaml(path) -> object:
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return None  # unreadable: kept aside like a different one
 
 
 def run(cfg: Config, plan: StartPlan | None = None) -> None:
@@ -436,7 +388,7 @@ def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
     plan = plan or plan_start(cfg)  # before any file is written
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
-    _setup_logging(cfg, world)
+    setup_logging(cfg.run_dir, world)
     if world.is_main:
         from spmd_grpo.config.versions import check_versions, version_line
 
@@ -453,16 +405,3 @@ def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
             log.info(line)
     D.seed_everything(cfg.trainer.seed)
     Trainer(cfg, world, plan, stop).train()
-
-
-def _setup_logging(cfg: Config, world: D.World) -> None:
-    """Console: INFO on rank 0, warnings elsewhere; every rank's INFO also goes to
-    `<run_dir>/logs/rank<r>.log` (vLLM logs through its own handler, to the console only)."""
-    fmt = logging.Formatter(f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
-    console = logging.StreamHandler()
-    console.setLevel(logging.INFO if world.is_main else logging.WARNING)
-    (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    to_file = logging.FileHandler(cfg.run_dir / "logs" / f"rank{world.rank}.log")
-    for handler in (console, to_file):
-        handler.setFormatter(fmt)
-    logging.basicConfig(level=logging.INFO, handlers=[console, to_file])

@@ -5,11 +5,14 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from spmd_grpo.parallel.collectives import World
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("SPMD_GRPO_CACHE", REPO / ".cache"))
@@ -23,6 +26,52 @@ gc.set_threshold(10_000, 10, 10)
 
 def pytest_collection_finish(session) -> None:
     gc.freeze()
+
+
+# A test's tier is its folder: `make test-fast` runs tests/unit, `make test-dist` tests/distributed, and so on.
+# A marker written in a file could be forgotten or wrong (a torchrun test in the fast tier); the folder cannot.
+TIERS = {"unit": None, "distributed": "dist", "engine": "engine", "gpu": "gpu"}
+TESTS = Path(__file__).resolve().parent
+UNIT_BUDGET_S = 30.0  # `make test-fast`, the tier a developer runs after every edit
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        folder = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
+        if folder not in TIERS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/, the tier folders"
+            )
+        wrong = {m.name for m in item.iter_markers()} & (set(TIERS.values()) - {None, TIERS[folder]})
+        if wrong:
+            raise pytest.UsageError(f"{item.nodeid} is marked {sorted(wrong)} but lives in tests/{folder}/")
+        if TIERS[folder]:
+            item.add_marker(TIERS[folder])
+
+
+_SESSION_START: list[float] = []
+
+
+def pytest_sessionstart(session) -> None:
+    import time
+
+    _SESSION_START.append(time.perf_counter())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The unit tier's own duration against its budget, whenever only unit tests ran (`make test-fast`)."""
+    reports = [
+        r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, []) if r.when == "call"
+    ]
+    if not reports or any(not r.nodeid.startswith("tests/unit/") for r in reports):
+        return
+    import time
+
+    elapsed = time.perf_counter() - _SESSION_START[0]
+    verdict = "within" if elapsed <= UNIT_BUDGET_S else "OVER"
+    terminalreporter.write_line(
+        f"unit tier: {elapsed:.1f} s wall, {verdict} its {UNIT_BUDGET_S:.0f} s budget"
+    )
 
 
 def tiny_model(tie_word_embeddings: bool = False, **spec_kwargs) -> Path:
@@ -57,31 +106,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(
-    args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None, check: bool = True
-) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc_per_node nproc ARGS` (gloo on CPU); with `check`, fail the test with the
-    output's tail when it exits non-zero."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        *args,
-    ]
+def torchrun_command(
+    args: list[str], nproc: int = 2, *, launcher: str = "torch.distributed.run", env: dict | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `torchrun --nproc_per_node nproc ARGS` on loopback (gloo on CPU), one
+    thread per rank; `launcher="spmd_grpo.launch"` runs it through the project's launcher instead."""
+    cmd = [sys.executable, "-m", launcher, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), *args]  # fmt: skip
     # Jobs are run by path; PYTHONPATH lets them import `tests.jobs.common`.
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
-    full_env.update(env or {})
+    return cmd, {**full_env, **(env or {})}
+
+
+def torchrun(
+    args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node nproc ARGS` to the end; with `check`, fail the test with the output's
+    tail when it exits non-zero."""
+    cmd, full_env = torchrun_command(args, nproc, env=env)
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     return proc
+
+
+# A world of one CPU process without a process group, for the functions that take a `World`.
+ONE_CPU_RANK = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
+
+
+def fake_checkpoint(
+    run_dir: Path, step: int | str, *, complete: bool = True, cfg=None, state: dict | None = None
+) -> Path:
+    """`run_dir/checkpoints/global_step_{step}` (or `/<step>` for a name such as "global_step_3.tmp") with a real
+    one-tensor DCP payload and an empty scheduler state; with `complete`, its trainer_state.json (`state`,
+    default {"step": step} for a number); given `cfg`, its config.yaml."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    d = run_dir / "checkpoints" / (f"global_step_{step}" if isinstance(step, int) else step)
+    d.mkdir(parents=True)
+    dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
+    torch.save({}, d / "scheduler.pt")
+    if cfg is not None:
+        from spmd_grpo.config.loader import dump_yaml
+
+        dump_yaml(cfg, d / "config.yaml")
+    if complete:
+        default = {"step": step} if isinstance(step, int) else {}
+        (d / "trainer_state.json").write_text(json.dumps(default if state is None else state))
+    return d
 
 
 CHECKPOINT_JOB = "tests/jobs/checkpoint_roundtrip.py"
@@ -104,3 +180,59 @@ def saved_checkpoints(tmp_path_factory):
         return cache[model_dir]
 
     return get
+
+
+# ------------------------------------------------------------------------------- Slurm, which cannot exist here
+SCONTROL = r"""#!/bin/bash
+# Test shim for `scontrol show hostnames LIST`: LIST is comma-separated, one host per entry.
+if [[ $# -eq 3 && $1 == show && $2 == hostnames ]]; then
+    tr ',' '\n' <<<"$3"
+    exit 0
+fi
+echo "scontrol shim: unsupported: $*" >&2
+exit 2
+"""
+
+SRUN = r"""#!/bin/bash
+# Test shim for `srun --ntasks-per-node=1 --nodes=N [--kill-on-bad-exit=1] CMD...`: one copy of CMD per node.
+nodes=${SLURM_NNODES:-1}
+kill_on_bad_exit=0
+while [[ $# -gt 0 && $1 == -* ]]; do
+    case $1 in
+        --nodes=*) nodes=${1#*=} ;;
+        --ntasks-per-node=1) ;;
+        --kill-on-bad-exit=1) kill_on_bad_exit=1 ;;
+        *) echo "srun shim: unsupported option $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+pids=()
+for ((node = 0; node < nodes; node++)); do
+    echo "srun shim: starting node $node of $nodes: $*" >&2
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
+    pids+=("$!")
+done
+rc=0
+for ((left = nodes; left > 0; left--)); do
+    wait -n
+    code=$?
+    if ((code > rc)); then rc=$code; fi
+    if ((code != 0 && kill_on_bad_exit)); then kill "${pids[@]}" 2>/dev/null; fi
+done
+echo "srun shim: all $nodes copies exited, max exit code $rc" >&2
+exit "$rc"
+"""
+
+
+def _write_executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+@pytest.fixture(scope="session")
+def slurm_shims(tmp_path_factory) -> Path:
+    """A folder to put first on PATH: `scontrol` and `srun` stand-ins with the interface the launch scripts use."""
+    shims = tmp_path_factory.mktemp("slurm_bin")
+    _write_executable(shims / "scontrol", SCONTROL)
+    _write_executable(shims / "srun", SRUN)
+    return shims

@@ -246,8 +246,7 @@ def _accumulate_unsharded(policy: nn.Module, *, first: bool, last: bool) -> None
     gradient beside the sharded one, +2 + 4 bytes per parameter at the peak (Qwen2.5-VL-3B: +22 GB). On one
     accelerator memory is what limits, and the per-micro-batch gather it saves is a copy at device memory
     bandwidth (a few ms per micro-batch for 3B); on the CPU, where the smoke test and the benchmarks run, the
-    copies and concatenations it removes were about a tenth of the update's profiled op time
-    (benchmarks/README.md)."""
+    copies and concatenations it removes were about a tenth of the update's profiled op time."""
     if first:
         policy.set_reshard_after_forward(False)
     policy.set_requires_gradient_sync(last)

@@ -55,12 +55,15 @@ def require_top_k(prefix: str, top_k: int) -> None:
 
 # ------------------------------------------------------------------------ what must exist on this machine
 BUILTIN_REWARDS = ("math", "color")
+"""The reward names `spmd_grpo.algorithm.reward` resolves itself (the rest must be `path/file.py:function`)."""
 
 
 BUILTIN_DATASETS = ("color", "geo3k")
+"""The `builtin:<task>` data sets `spmd_grpo.data.synthetic` generates."""
 
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\[\]:%+-]+)?$")
+"""`owner/name`, for data sets optionally `@split`."""
 
 
 def _looks_like_hub_id(value: str) -> bool:

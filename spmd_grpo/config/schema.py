@@ -42,10 +42,6 @@ from spmd_grpo.config.checks import (
 )
 from spmd_grpo.config.workers import WorkerConfig
 
-"""The reward names `spmd_grpo.algorithm.reward` resolves itself (the rest must be `path/file.py:function`)."""
-"""The `builtin:<task>` data sets `spmd_grpo.data.dataset` generates."""
-"""`owner/name`, for data sets optionally `@split`."""
-
 
 # --------------------------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
@@ -312,6 +308,3 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-
-"""The keys the built-in rewards return (what algorithm.filter_groups.metric may name with them)."""

@@ -49,6 +49,7 @@ def _check_sections(section: Any, prefix: str, method: str) -> None:
 
 
 BUILTIN_REWARD_KEYS = ("overall", "accuracy", "format")
+"""The keys the built-in rewards return (what algorithm.filter_groups.metric may name with them)."""
 
 
 def _check_across_sections(cfg: Config) -> None:

@@ -1,12 +1,13 @@
 """Data: prompt data sets -> tokenized examples, each rank's prompts per step, and the sample record.
 
     sources.py    where rows come from: parquet files or directories, the hub, generated builtin tasks
-    images.py     decoding and resizing images (and `_BadRow`, the reason a row is skipped)
+    images.py     decoding and resizing images (and `BadRow`, the reason a row is skipped)
     prompts.py    the chat template, `<image>` markers and the tokenized prompt
     row_checks.py each row's checks at load (text, answer, images, special tokens)
     dataset.py    `load_dataset`: each rank checks its share of the rows, skipped rows are named
     sampler.py    `PromptSampler`: which data positions each rank rolls out at each step
     samples.py    `Prompt` and `Sample`: what flows from rollout to reward, advantages and the update
+    synthetic.py  the generated `builtin:` tasks (colour, geometry3k-schema diagrams) and `write_parquet`
 
 The names below are imported on first use, so importing one module of the package stays light.
 """

@@ -160,7 +160,7 @@ def load_dataset(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
     if world_size > 1 and all_gather is _single_process:
-        raise ValueError(f"world_size={world_size} needs an all_gather (distributed.all_gather_objects)")
+        raise ValueError(f"world_size={world_size} needs an all_gather (parallel.all_gather_objects)")
     try:
         sources, unreadable = open_sources(source, cfg, split)
         prompting = Prompting.for_load(cfg, processor, limit_images, log=rank == 0)

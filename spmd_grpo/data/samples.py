@@ -36,7 +36,7 @@ class Sample:
     pixel_values: torch.Tensor | None = None  # trainer-side, same processor settings as vLLM
     image_grid_thw: torch.Tensor | None = None
     image_features: tuple[torch.Tensor, ...] | None = None
-    """Vision-tower output per image, shared by the prompt's samples for one step (update.encode_images)."""
+    """Vision-tower output per image, shared by the prompt's samples for one step (actor.image_features.encode_images)."""
     gen_batch: int = 0  # which generation batch of the step produced it (DAPO may need several)
     group_index: int = -1  # GRPO group key for the advantage (the prompt uid unless regrouped)
     scores: dict[str, float] = field(default_factory=dict)  # reward outputs (overall, accuracy, ...)

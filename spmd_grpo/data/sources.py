@@ -252,7 +252,7 @@ def open_sources(source: str, cfg: DataConfig, split: str) -> tuple[list[Rows], 
     if source.startswith("builtin:"):
         task = source.removeprefix("builtin:")
         makers = {"color": color_task_examples, "geo3k": synthetic_geo3k_rows}
-        assert set(makers) == set(BUILTIN_DATASETS), "config.BUILTIN_DATASETS lists other tasks"
+        assert set(makers) == set(BUILTIN_DATASETS), "config.checks.BUILTIN_DATASETS lists other tasks"
         if task not in makers:
             raise ValueError(
                 f"unknown builtin dataset {source!r}; available: {sorted('builtin:' + k for k in makers)}"

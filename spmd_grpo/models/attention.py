@@ -1,7 +1,7 @@
 """A variable-length attention path for packed sequences on devices without a varlen kernel (the CPU).
 
 A padding-free micro-batch is one row of B sequences back to back, with per-sequence text positions that
-restart at 0 (`logprobs.mrope_position_ids`). flash attention takes the boundaries as `cu_seqlens`; torch's
+restart at 0 (`inputs.mrope_position_ids`). flash attention takes the boundaries as `cu_seqlens`; torch's
 sdpa has no such entry, and transformers' sdpa path turns the boundaries into a dense [T, T] block-diagonal
 mask, which costs more than the padding it saves (T^2 mask entries and a masked kernel over every pair of
 tokens of the row). This implementation runs causal sdpa per sequence instead, the sequences of equal
@@ -10,7 +10,7 @@ tokens, one kernel call per distinct length per layer (a micro-batch of 128 four
 equal-length prompts is one call, not 128: per-sequence calls made its backward 44 % slower than padded).
 
 It is registered with transformers under `VARLEN_SDPA` (an attention function and a mask function) and is
-what `distributed.varlen_attention("cpu")` names. transformers passes the text positions to the attention
+what `varlen_attention("cpu")` below names. transformers passes the text positions to the attention
 function as `position_ids`; the mask function returns no mask for a batch without an attention mask (a
 packed row), so the boundaries come from those positions alone. Everything else, a padded batch with its
 mask, or the vision tower's per-image calls (no positions), goes to transformers' own sdpa unchanged.

@@ -33,8 +33,8 @@ Memory at load, Qwen2.5-VL-32B (33.45B parameters: 133.8 GB in fp32, 66.9 GB in 
     64 ranks: 2.1 + 1.0 GB, 24 MB transient. Qwen2.5-VL-7B (8.29B, 33.2 GB fp32) on 8 ranks: 4.1 + 2.1 GB
     instead of 33.2 GB per model per rank.
   Measured on CPU (benchmarks/load_memory.py, 211M parameters, fsdp.param_dtype=bfloat16): the peak RSS
-  of building policy + reference went from 3.02 x to 1.54 x the fp32 model at world 1 and from 1.53 x to
-  0.78 x at world 2, where the shards alone are 1.50 x and 0.75 x (benchmarks/README.md).
+  of building policy + reference is 1.54 x the fp32 model at world 1 and 0.78 x at world 2, where the
+  shards alone are 1.50 x and 0.75 x (benchmarks/README.md).
 
 CPU offload (`worker.actor.fsdp.offload_params`, `worker.ref.offload_params`): the shards are materialised
 on the host (FSDP2 requires it) and the buffers on the compute device; pinned host memory on accelerators,

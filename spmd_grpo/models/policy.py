@@ -20,7 +20,7 @@ equal the padded forward's to fp32 rounding (tests/unit/test_packing.py). No pad
 
 Image features (`ImageBatch`, `SequenceBatch.image_features`): the root module can run the vision tower
 alone and take its output back instead of pixels (transformers' `mm_encoder_outputs`, matched to the image
-pad tokens in order), so a frozen tower encodes each prompt's images once per step (update.encode_images).
+pad tokens in order), so a frozen tower encodes each prompt's images once per step (actor.image_features.encode_images).
 
 The distribution is vLLM's `processed_logprobs`: logits / temperature with the unsamplable vision tokens at
 -inf. top-p / top-k truncation is NOT applied (as in verl): with top_p < 1 the logged

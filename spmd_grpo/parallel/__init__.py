@@ -41,6 +41,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "STOP_SIGNALS",
             "StopOnSignal",
             "exit_promptly",
+            "warn_if_grace_outlasts_shutdown",
         ),
     },
 )

@@ -129,3 +129,16 @@ def _hard_exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def warn_if_grace_outlasts_shutdown(grace_s: float, *, is_main: bool) -> None:
+    """torchrun SIGKILLs its workers `--shutdown_timeout` seconds after forwarding a signal: a longer grace
+    period would be cut short there (the flag itself is invisible to the workers)."""
+    shutdown_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    if "TORCHELASTIC_RUN_ID" in os.environ and grace_s >= shutdown_s and is_main:
+        log.warning(
+            "trainer.preempt_grace_s=%g is not below torchrun's shutdown timeout (%g s unless "
+            "--shutdown_timeout says otherwise): torchrun may SIGKILL the ranks before they save",
+            grace_s,
+            shutdown_s,
+        )

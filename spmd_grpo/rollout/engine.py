@@ -56,7 +56,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import RolloutConfig
+from spmd_grpo.models.build import resolve_dtype
 from spmd_grpo.models.policy import unsamplable_token_ids
 from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import World
@@ -226,6 +228,38 @@ class RolloutEngine:
         self.stats = EngineStats()  # dummy weights: the first rollout_mode pushes every weight
         self.asleep = False
 
+    @classmethod
+    def from_config(cls, cfg: Config, world: World, *, tie_word_embeddings: bool) -> RolloutEngine:
+        """The engine as a run's config describes it: the one way the trainer, the test jobs and the
+        benchmarks build one, so what they test is the trainer's wiring of every setting."""
+        rollout = cfg.worker.rollout
+        return cls(
+            cfg.worker.actor.model.model_path,
+            rollout,
+            world,
+            max_model_len=cfg.max_model_len,
+            dtype=resolve_dtype(rollout.dtype, world.device_type),
+            min_pixels=cfg.data.min_pixels,
+            max_pixels=cfg.data.max_pixels,
+            seed=cfg.trainer.seed,
+            tie_word_embeddings=tie_word_embeddings,
+            trust_remote_code=cfg.worker.actor.model.trust_remote_code,
+        )
+
+    def settings(self) -> dict:
+        """What vLLM was built with, read back from the engine (for checks of the wiring)."""
+        vc = self.llm.llm_engine.vllm_config
+        return {
+            "model": vc.model_config.model,
+            "trust_remote_code": vc.model_config.trust_remote_code,
+            "max_model_len": vc.model_config.max_model_len,
+            "dtype": str(vc.model_config.dtype).removeprefix("torch."),
+            "seed": vc.model_config.seed,
+            "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+            "max_num_seqs": vc.scheduler_config.max_num_seqs,
+            "limit_images": vc.model_config.multimodal_config.get_limit_per_prompt("image"),
+        }
+
     # ----------------------------------------------------------------------------------- sleep / wake
     @contextmanager
     def rollout_mode(
@@ -320,7 +354,7 @@ class RolloutEngine:
 
         vLLM's teardown (also run at interpreter exit if not called) destroys its own groups AND the default
         process group (`destroy_distributed_environment`); after the trainer destroyed the default group
-        first it raised "Invalid process group specified". Call this last, before `distributed.destroy()`.
+        first it raised "Invalid process group specified". Call this last, before `collectives.destroy()`.
         """
         self.llm.llm_engine.engine_core.shutdown()
 

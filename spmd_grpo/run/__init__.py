@@ -45,6 +45,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "meaning_changes",
             "run_records",
             "plan_start",
+            "write_run_config",
         ),
     },
 )

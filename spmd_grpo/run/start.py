@@ -52,6 +52,7 @@ are not compared). Each difference is either
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,11 @@ from typing import Any
 import yaml
 
 from spmd_grpo.config.checks import ConfigError
-from spmd_grpo.config.loader import to_dict
+from spmd_grpo.config.loader import dump_yaml, to_dict
 from spmd_grpo.config.schema import Config
 from spmd_grpo.run.checkpoint import CHECKPOINTS, CONFIG, complete_checkpoints, find_checkpoint
+
+log = logging.getLogger(__name__)
 
 _WEIGHTS = "the saved weights and optimizer state belong to it"
 _DATA = "the saved data position indexes this data set"
@@ -285,3 +288,24 @@ def _refusal(run_dir: Path, checkpoint: Path | None, saved_file: Path, refused: 
         f"{listed}. To continue with the new values add trainer.allow_config_change=[{keys}]; "
         "for a new run pick another trainer.experiment_name or trainer.output_dir"
     )
+
+
+def write_run_config(cfg: Config, step: int) -> None:
+    """The resolved config as `<run dir>/config.yaml`; a different one already there (the run's config before a
+    resume that changed settings) is kept as `config.until_step_<step>.yaml`."""
+    path = cfg.run_dir / "config.yaml"
+    if path.is_file() and _read_yaml(path) != plain_config(cfg):
+        kept, i = path.with_name(f"config.until_step_{step}.yaml"), 0
+        while kept.exists():  # never over an earlier kept one (resumed from this step before)
+            i += 1
+            kept = path.with_name(f"config.until_step_{step}.{i}.yaml")
+        path.replace(kept)
+        log.info("the run's previous config moved to %s", kept)
+    dump_yaml(cfg, path)
+
+
+def _read_yaml(path) -> object:
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # unreadable: kept aside like a different one

@@ -27,6 +27,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "mlflow_name",
             "flat_params",
             "MlflowLogger",
+            "setup_logging",
         ),
         "metrics": (
             "Timer",

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from spmd_grpo.config.loader import to_dict
 from spmd_grpo.config.schema import Config
+from spmd_grpo.parallel.collectives import World
 from spmd_grpo.telemetry.metrics import MetricsWriter, console_line
 
 log = logging.getLogger(__name__)
@@ -303,3 +304,16 @@ class MlflowLogger:
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+def setup_logging(run_dir: Path, world: World) -> None:
+    """Console: INFO on rank 0, warnings elsewhere; every rank's INFO also goes to
+    `<run_dir>/logs/rank<r>.log` (vLLM logs through its own handler, to the console only)."""
+    fmt = logging.Formatter(f"[rank{world.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    console = logging.StreamHandler()
+    console.setLevel(logging.INFO if world.is_main else logging.WARNING)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(run_dir / "logs" / f"rank{world.rank}.log")
+    for handler in (console, to_file):
+        handler.setFormatter(fmt)
+    logging.basicConfig(level=logging.INFO, handlers=[console, to_file])

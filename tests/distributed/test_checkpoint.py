@@ -8,8 +8,6 @@ import torch
 
 from tests.conftest import CHECKPOINT_JOB, torchrun
 
-pytestmark = pytest.mark.dist
-
 
 @pytest.fixture(scope="module")
 def saved(tiny_untied, saved_checkpoints):

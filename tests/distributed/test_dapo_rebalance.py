@@ -3,11 +3,7 @@ exchange gave (3 real ranks, gloo; the scenarios are in tests/jobs/dapo_rebalanc
 
 import json
 
-import pytest
-
 from tests.conftest import torchrun
-
-pytestmark = pytest.mark.dist
 
 JOB = "tests/jobs/dapo_rebalance.py"
 

@@ -10,8 +10,6 @@ import torch
 
 from tests.conftest import torchrun
 
-pytestmark = pytest.mark.dist
-
 JOB = "tests/jobs/model_load.py"
 WORLDS = [1, 2]
 MODELS = ["tied", "untied"]

@@ -1,13 +1,10 @@
 """A group split across 2 real ranks gets the advantages of the single-process computation."""
 
-import pytest
 import torch
 
 from spmd_grpo.algorithm.advantage import compute_batch_std_advantages, compute_grpo_advantages
 from tests.conftest import torchrun
 from tests.jobs.split_group_advantages import GROUPS, SCORES
-
-pytestmark = pytest.mark.dist
 
 
 def test_split_group_matches_single_process(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 
-import pytest
 import torch
 import transformers
 
@@ -14,8 +13,6 @@ from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.data.dataset import load_dataset
 from tests.conftest import tiny_model, torchrun
 from tests.unit.test_data_streaming import _directory
-
-pytestmark = pytest.mark.dist
 
 
 def test_two_ranks_hold_the_single_process_rows(tmp_path):

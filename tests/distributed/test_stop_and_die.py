@@ -12,15 +12,10 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import REPO, free_port
-
-pytestmark = pytest.mark.dist
+from tests.conftest import REPO, torchrun_command
 
 JOB = "tests/jobs/stop_and_die.py"
 MAX_TEARDOWN_S = 10.0  # from a rank's death to the last other rank's exit
@@ -28,9 +23,7 @@ MAX_TORCHRUN_S = 30.0  # ...to torchrun's own exit, which on 2 shared cores adds
 
 
 def _launch(out: Path, mode: str, grace_s: float = 25.0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "spmd_grpo.launch", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), JOB, str(out), mode, str(grace_s)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    cmd, env = torchrun_command([JOB, str(out), mode, str(grace_s)], launcher="spmd_grpo.launch")
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -12,8 +12,6 @@ import torch
 
 from tests.conftest import torchrun
 
-pytestmark = pytest.mark.dist
-
 MODES = ["token-mean", "seq-mean-token-mean"]
 # 1: one sample per micro-batch, rank 0 (3 samples when uneven) pads to rank 1's 5; 86: rank 0's 4 samples
 # (172 prompt+response tokens) need 2 micro-batches and rank 1's (180) need 3, agreed to 3.

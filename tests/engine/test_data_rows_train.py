@@ -9,14 +9,11 @@ the request), and the skipped file fails the whole load.
 import io
 import json
 
-import pytest
 from PIL import Image
 
 from spmd_grpo.data.synthetic import write_parquet
 from tests.conftest import torchrun
 from tests.unit.test_data_rows import _modes, _png_header
-
-pytestmark = pytest.mark.engine
 
 
 def _png(size=(56, 56)) -> bytes:

@@ -12,8 +12,6 @@ import pytest
 
 from tests.conftest import torchrun
 
-pytestmark = pytest.mark.engine
-
 REWARD = """
 def reward(samples):
     out = []

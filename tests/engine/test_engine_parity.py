@@ -2,16 +2,17 @@
 
 Each job generates with 1- and 2-image prompts, takes a real optimizer step, pushes the sharded weights and
 compares per-token logprobs of vLLM and the trainer (fp32). It then takes a second step WITHOUT a push and
-checks that the same comparison fails: the parity check is able to fail.
+checks that the same comparison fails: the parity check is able to fail. The engine is built from a run config
+by `RolloutEngine.from_config`, as the trainer builds it, and the settings vLLM reports back must be the
+config's (the TP-2 tied case also turns `worker.actor.model.trust_remote_code` on).
 """
 
 import json
 
 import pytest
 
+from spmd_grpo.config.workers import RolloutConfig
 from tests.conftest import tiny_model, torchrun
-
-pytestmark = pytest.mark.engine
 
 TOL = 1e-3
 
@@ -28,9 +29,21 @@ CASES = [  # (family, tp, tied): every Qwen2.5-VL variant; the other families un
 )
 def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
     model_dir = tiny_model(tie_word_embeddings=tied, family=family)
-    torchrun(["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)])
+    trust = tp == 2 and tied
+    job = ["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)]
+    torchrun([*job, *(["--trust-remote-code"] if trust else [])])
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
+        assert r["engine"] == {
+            "model": str(model_dir),
+            "trust_remote_code": trust,
+            "max_model_len": 1024,  # data.max_prompt_length + data.max_response_length (512 + 512)
+            "dtype": "float32",
+            "seed": r["rank"] // tp,  # trainer.seed=0, one engine seed per TP group
+            "tensor_parallel_size": tp,
+            "max_num_seqs": RolloutConfig().max_num_seqs,
+            "limit_images": 2,
+        }, r["engine"]
         assert r["tied"] == tied
         assert r["num_response_tokens"] > 0
         # vLLM starts with dummy weights (it never reads the checkpoint); after the first push it agrees

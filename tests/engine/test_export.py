@@ -20,8 +20,6 @@ import spmd_grpo.run.export as export_mod
 from spmd_grpo.run.export import export_hf
 from tests.conftest import REPO, tiny_model
 
-pytestmark = pytest.mark.engine
-
 VLLM_SCRIPT = r"""
 import json, sys
 from PIL import Image

@@ -6,8 +6,7 @@ first 5 by RISE (Qwen2.5-VL's full 300-step run is `make smoke-test`).
 Measured here (Qwen3-VL, these overrides, 2 ranks on 2 heavily shared cores, 10-14 s per step; the run was
 stopped at step 51 of 60): `critic/score/mean` 0.044 over steps 1-5, 0.120 over steps 42-51, 0.163 at best;
 a random policy scores ~0.03-0.04. A 5-step mean of 256 samples has a standard error of about 0.006, so
-RISE = 0.05 is well above noise and below the measured rise. Qwen2-VL was not measured with this setup (see
-the README).
+RISE = 0.05 is well above noise and below the measured rise. Qwen2-VL was not measured with this setup.
 """
 
 import json
@@ -15,8 +14,6 @@ import json
 import pytest
 
 from tests.conftest import tiny_model, torchrun
-
-pytestmark = pytest.mark.engine
 
 STEPS = 60  # the smoke config's lr 1e-3 with its cosine decay over these steps
 RISE = 0.05

@@ -16,75 +16,22 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, free_port
 
-pytestmark = pytest.mark.engine  # the trainer it launches builds vLLM engines
-
 NUM_NODES, NPROC_PER_NODE = 2, 2
 
-SCONTROL = r"""#!/bin/bash
-# Test shim for `scontrol show hostnames LIST`: LIST is comma-separated, one host per entry.
-if [[ $# -eq 3 && $1 == show && $2 == hostnames ]]; then
-    tr ',' '\n' <<<"$3"
-    exit 0
-fi
-echo "scontrol shim: unsupported: $*" >&2
-exit 2
-"""
 
-SRUN = r"""#!/bin/bash
-# Test shim for `srun --ntasks-per-node=1 --nodes=N [--kill-on-bad-exit=1] CMD...`: one copy of CMD per node.
-nodes=${SLURM_NNODES:-1}
-kill_on_bad_exit=0
-while [[ $# -gt 0 && $1 == -* ]]; do
-    case $1 in
-        --nodes=*) nodes=${1#*=} ;;
-        --ntasks-per-node=1) ;;
-        --kill-on-bad-exit=1) kill_on_bad_exit=1 ;;
-        *) echo "srun shim: unsupported option $1" >&2; exit 2 ;;
-    esac
-    shift
-done
-pids=()
-for ((node = 0; node < nodes; node++)); do
-    echo "srun shim: starting node $node of $nodes: $*" >&2
-    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
-    pids+=("$!")
-done
-rc=0
-for ((left = nodes; left > 0; left--)); do
-    wait -n
-    code=$?
-    if ((code > rc)); then rc=$code; fi
-    if ((code != 0 && kill_on_bad_exit)); then kill "${pids[@]}" 2>/dev/null; fi
-done
-echo "srun shim: all $nodes copies exited, max exit code $rc" >&2
-exit "$rc"
-"""
-
-
-def _write_executable(path: Path, text: str) -> None:
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-
-
-def test_gpu_sbatch_template_two_nodes_on_loopback(tiny_untied, tmp_path):
-    shims = tmp_path / "bin"
-    shims.mkdir()
-    _write_executable(shims / "scontrol", SCONTROL)
-    _write_executable(shims / "srun", SRUN)
+def test_gpu_sbatch_template_two_nodes_on_loopback(tiny_untied, slurm_shims, tmp_path):
     out_dir = tmp_path / "runs"
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(
-        PATH=f"{shims}{os.pathsep}{env['PATH']}",
+        PATH=f"{slurm_shims}{os.pathsep}{env['PATH']}",
         SLURM_JOB_ID="4242",
         SLURM_JOB_NODELIST=",".join(["127.0.0.1"] * NUM_NODES),
         SLURM_NNODES=str(NUM_NODES),

@@ -12,18 +12,12 @@ The measured times are printed (`pytest -s`)."""
 
 import datetime
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
-import pytest
-
 from spmd_grpo.run.checkpoint import find_checkpoint
-from tests.conftest import REPO, free_port, torchrun
-
-pytestmark = pytest.mark.engine
+from tests.conftest import REPO, torchrun, torchrun_command
 
 SAVE_GRACE_S = 3.0  # run 1: shorter than the stalled save
 STEP_GRACE_S = 120.0  # run 2: a step and its save fit, even on 2 busy cores
@@ -72,11 +66,9 @@ def test_sigterm_in_a_long_save_then_sigterm_mid_run(tiny_untied, tmp_path):
     assert _steps(metrics) == [1]
 
     # 2. Resume from step 1; SIGTERM to the torchrun agent mid-run (what Slurm sends on preemption).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()),
-           *_args(tiny_untied, tmp_path, 200, "trainer.save_freq=-1", "trainer.resume=auto",
-                  f"trainer.preempt_grace_s={STEP_GRACE_S}")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": SHUTDOWN_TIMEOUT_S}
+    args = _args(tiny_untied, tmp_path, 200, "trainer.save_freq=-1", "trainer.resume=auto",
+                 f"trainer.preempt_grace_s={STEP_GRACE_S}")  # fmt: skip
+    cmd, env = torchrun_command(args, env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": SHUTDOWN_TIMEOUT_S})
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -16,11 +16,7 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from tests.conftest import REPO, torchrun
-
-pytestmark = pytest.mark.engine
 
 # Figures that depend on wall time or memory, not on the computation.
 VOLATILE = ("timing_s/", "perf/")

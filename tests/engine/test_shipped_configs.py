@@ -38,8 +38,6 @@ from spmd_grpo.data.synthetic import write_parquet
 from spmd_grpo.models.families import PUBLISHED
 from tests.conftest import CACHE, REPO, tiny_model, torchrun
 
-pytestmark = pytest.mark.engine
-
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 WORLD_SIZE = 2
 

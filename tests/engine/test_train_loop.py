@@ -13,8 +13,6 @@ import yaml
 
 from tests.conftest import torchrun
 
-pytestmark = pytest.mark.engine
-
 REQUIRED = (
     [
         f"timing_s/{k}"

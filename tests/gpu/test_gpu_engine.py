@@ -18,10 +18,7 @@ import torch
 
 from tests.conftest import torchrun
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)")
 
 
 def test_parity_in_bf16_after_update(tiny_untied, tmp_path):
@@ -34,10 +31,17 @@ def test_parity_in_bf16_after_update(tiny_untied, tmp_path):
 
 
 def test_the_process_group_reduces_host_and_device_tensors():
-    """An nccl-only group refuses CPU tensors; the trainer's bookkeeping collectives reduce CPU tensors."""
-    out = torchrun(["tests/jobs/gpu_backends.py"], nproc=1).stdout
+    """An nccl-only group refuses CPU tensors; the trainer's bookkeeping collectives reduce CPU tensors. One
+    rank per GPU (nccl refuses two ranks on one device); each adds rank + 1."""
+    world = torch.cuda.device_count()
+    out = torchrun(["tests/jobs/gpu_backends.py"], nproc=world).stdout
     print(out)
-    assert '"backend": "cpu:gloo,cuda:nccl"' in out and '"host": [1.0, 1.0], "device": [1.0, 1.0]' in out
+    total = float(world * (world + 1) // 2)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == world, out
+    for r in lines:
+        assert r["backend"] == "cpu:gloo,cuda:nccl" and r["world"] == world, r
+        assert r["host"] == [total, total] and r["device"] == [total, total], r
 
 
 def test_sleep_frees_memory_and_wake_restores_the_policy(tiny_untied, tmp_path):

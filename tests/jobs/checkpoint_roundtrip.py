@@ -30,6 +30,7 @@ from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from spmd_grpo.parallel.devices import seed_everything
 from spmd_grpo.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from tests.jobs.common import run_job
 
 GLOBAL_BATCH = 2
 TOTAL_STEPS = 10
@@ -147,10 +148,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Tear the process group down before the interpreter exits: gloo's threads otherwise race the exit
-    # ("terminate called without an active exception", exit -6, seen as a flaky test).
-    from spmd_grpo.parallel.collectives import barrier, destroy
-
-    barrier()
-    destroy()
+    run_job(main)

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from spmd_grpo.actor.micro_batches import collate_samples
-from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
+from spmd_grpo.config.loader import load_config
 from spmd_grpo.data.samples import Prompt
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.parallel.collectives import init_distributed, new_tp_groups
@@ -87,33 +87,33 @@ def main() -> None:
     ap.add_argument("--prompts-per-rank", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu here; cuda/npu in the gpu tier (tests/gpu)")
     ap.add_argument("--dtype", default="float32", help="trainer compute and rollout dtype")
+    ap.add_argument("--trust-remote-code", action="store_true")
     args = ap.parse_args()
 
     from transformers import AutoProcessor
 
     world = init_distributed(args.device)
-    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     tp_group = new_tp_groups(world, args.tp)
     processor = AutoProcessor.from_pretrained(args.model_dir)
-    actor = ActorConfig(model=ModelConfig(model_path=args.model_dir), fsdp=FSDPConfig(param_dtype=args.dtype))
-    policy = build_policy(actor, world)
+    # The engine is built from a run config as the trainer builds it (`RolloutEngine.from_config`); 1 MiB
+    # buckets so the tiny model's push spans several buckets.
+    cfg = load_config(
+        None,
+        [
+            f"worker.actor.model.model_path={args.model_dir}",
+            f"worker.actor.model.trust_remote_code={args.trust_remote_code}",
+            f"worker.actor.fsdp.param_dtype={args.dtype}",
+            f"worker.rollout.tensor_parallel_size={args.tp}",
+            f"worker.rollout.dtype={args.dtype}",
+            "worker.rollout.limit_images=2",
+            "worker.rollout.weight_sync_bucket_mb=1",
+            "trainer.seed=0",
+        ],
+    )
+    policy = build_policy(cfg.worker.actor, world)
     tie = bool(policy.config.tie_word_embeddings)
-    # 1 MiB buckets: the tiny model's push spans several buckets.
-    rollout_cfg = RolloutConfig(
-        tensor_parallel_size=args.tp, dtype=args.dtype, limit_images=2, weight_sync_bucket_mb=1
-    )
-    engine = RolloutEngine(
-        args.model_dir,
-        rollout_cfg,
-        world,
-        max_model_len=1024,
-        dtype=dtype,
-        min_pixels=3136,
-        max_pixels=262144,
-        seed=0,
-        tie_word_embeddings=tie,
-    )
+    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tie)
     pad_id = processor.tokenizer.pad_token_id
     eos = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     prompts = make_prompts(processor, world.rank, args.prompts_per_rank)
@@ -187,6 +187,7 @@ def main() -> None:
         "my_prompt_uids": [p.uid for p in prompts],
         "group_outputs": [[s.prompt.uid, s.sample_index, s.response_ids] for s in group],
         "sync_bytes": engine.stats.last_sync_bytes,
+        "engine": engine.settings(),
     }
     out = Path(args.out_json)
     out.with_name(f"{out.stem}.rank{world.rank}{out.suffix}").write_text(json.dumps(result))

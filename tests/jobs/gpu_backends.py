@@ -1,6 +1,7 @@
 """GPU tier job: the default process group that `init_distributed("cuda")` creates reduces host tensors (the
-bookkeeping collectives: counts, metric sums, timers) and device tensors (FSDP, the weight push). Prints one
-JSON line; exits non-zero when either collective fails."""
+bookkeeping collectives: counts, metric sums, timers) and device tensors (FSDP, the weight push). Each rank
+contributes rank + 1, so the sums show that every rank took part. Prints one JSON line per rank; exits
+non-zero when either collective fails."""
 
 import json
 
@@ -8,11 +9,18 @@ import torch
 import torch.distributed as dist
 
 from spmd_grpo import parallel as D
+from tests.jobs.common import run_job
 
-world = D.init_distributed("cuda")
-host = torch.ones(2)
-dist.all_reduce(host)
-device = torch.ones(2, device=world.device)
-dist.all_reduce(device)
-print(json.dumps({"backend": str(dist.get_backend()), "host": host.tolist(), "device": device.tolist()}))
-dist.destroy_process_group()
+
+def main() -> None:
+    world = D.init_distributed("cuda")
+    host = torch.full((2,), float(world.rank + 1))
+    dist.all_reduce(host)
+    device = torch.full((2,), float(world.rank + 1), device=world.device)
+    dist.all_reduce(device)
+    report = {"backend": str(dist.get_backend()), "world": world.world_size}
+    print(json.dumps({**report, "host": host.tolist(), "device": device.tolist()}))
+
+
+if __name__ == "__main__":
+    run_job(main)

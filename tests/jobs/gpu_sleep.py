@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, RolloutConfig
+from spmd_grpo.config.loader import load_config
 from spmd_grpo.data.samples import Prompt
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.parallel.collectives import init_distributed
@@ -23,13 +23,16 @@ from tests.jobs.common import run_job
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
     world = init_distributed("cuda")
-    actor = ActorConfig(model=ModelConfig(model_path=model_dir), fsdp=FSDPConfig(param_dtype="bfloat16"))
-    policy = build_policy(actor, world)
-    rollout_cfg = RolloutConfig(dtype="bfloat16", gpu_memory_utilization=0.3, sleep_level=2)
-    engine = RolloutEngine(
-        model_dir, rollout_cfg, world, max_model_len=512, dtype=torch.bfloat16, min_pixels=3136,
-        max_pixels=262144, seed=0, tie_word_embeddings=bool(policy.config.tie_word_embeddings),
-    )  # fmt: skip
+    cfg = load_config(None, [
+        f"worker.actor.model.model_path={model_dir}", "worker.actor.fsdp.param_dtype=bfloat16",
+        "worker.rollout.dtype=bfloat16", "worker.rollout.gpu_memory_utilization=0.3", "worker.rollout.sleep_level=2",
+        "data.max_prompt_length=256", "data.max_response_length=256", "trainer.seed=0",
+    ])  # fmt: skip
+    rollout_cfg = cfg.worker.rollout
+    policy = build_policy(cfg.worker.actor, world)
+    engine = RolloutEngine.from_config(
+        cfg, world, tie_word_embeddings=bool(policy.config.tie_word_embeddings)
+    )
     prompts = [Prompt(uid=0, prompt_token_ids=[1, 2, 3, 4, 5])]
     greedy = SamplingConfig(n=1, temperature=1e-5, top_p=1.0, top_k=1, max_tokens=8, seed=0)
     with engine.rollout_mode(policy, 0):

@@ -12,6 +12,7 @@ import torch
 
 from spmd_grpo.algorithm.advantage import compute_batch_std_advantages, compute_grpo_advantages
 from spmd_grpo.parallel.collectives import all_reduce_sum, init_distributed
+from tests.jobs.common import run_job
 
 SCORES = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.4, 0.7, 0.1, 0.3, 1.0, 0.0, 0.6])
 GROUPS = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2])
@@ -35,10 +36,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Tear the process group down before the interpreter exits: gloo's threads otherwise race the exit
-    # ("terminate called without an active exception", exit -6, seen as a flaky test).
-    from spmd_grpo.parallel.collectives import barrier, destroy
-
-    barrier()
-    destroy()
+    run_job(main)

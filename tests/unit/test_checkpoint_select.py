@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from spmd_grpo.actor.optimizer import OptimizerBundle
-from spmd_grpo.parallel.collectives import World
 from spmd_grpo.run.checkpoint import find_checkpoint, load_checkpoint, missing_parts, save_checkpoint
-
-WORLD = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
+from tests.conftest import ONE_CPU_RANK, fake_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -25,19 +23,6 @@ def _quiet_dcp():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         yield
-
-
-def fake_checkpoint(root: Path, name: str, *, complete: bool = True) -> Path:
-    """A checkpoint directory with a real (one-tensor) DCP payload; `complete=False`: no trainer_state.json."""
-    import torch.distributed.checkpoint as dcp
-
-    d = root / "checkpoints" / name
-    d.mkdir(parents=True)
-    dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
-    torch.save({}, d / "scheduler.pt")
-    if complete:
-        (d / "trainer_state.json").write_text("{}")
-    return d
 
 
 def make_bundle(seed: int) -> tuple[nn.Module, OptimizerBundle]:
@@ -64,7 +49,7 @@ def save(model, optim, run_dir: Path, step: int, save_limit: int = 0) -> Path:
         policy=model,
         optim=optim,
         trainer_state={"step": step, "sampler": {"epoch": 0, "position": step}},
-        world=WORLD,
+        world=ONE_CPU_RANK,
         save_limit=save_limit,
         model_path="/models/base",
     )
@@ -142,7 +127,9 @@ def test_round_trip_prune_and_rerun(tmp_path):
     expected_torch, expected_python = torch.rand(3).tolist(), random.random()
 
     fresh, fresh_optim = make_bundle(1)
-    loaded = load_checkpoint(find_checkpoint(tmp_path, "auto"), policy=fresh, optim=fresh_optim, world=WORLD)
+    loaded = load_checkpoint(
+        find_checkpoint(tmp_path, "auto"), policy=fresh, optim=fresh_optim, world=ONE_CPU_RANK
+    )
     assert loaded == state
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -164,7 +151,7 @@ def test_mismatched_model_and_bad_trainer_state_fail_clearly(tmp_path):
             policy=model,
             optim=optim,
             trainer_state={"t": torch.zeros(1)},
-            world=WORLD,
+            world=ONE_CPU_RANK,
             save_limit=0,
             model_path="m",
         )
@@ -174,7 +161,7 @@ def test_mismatched_model_and_bad_trainer_state_fail_clearly(tmp_path):
     opt = torch.optim.AdamW(other.parameters())
     bundle = OptimizerBundle(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     with pytest.raises(ValueError, match="lacks .* entries"):
-        load_checkpoint(path, policy=other, optim=bundle, world=WORLD)
+        load_checkpoint(path, policy=other, optim=bundle, world=ONE_CPU_RANK)
 
 
 class _Payload:
@@ -193,7 +180,7 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused(tmp_path, victim):
     path = save(model, optim, tmp_path, 1)
     torch.save({"state": _Payload()}, path / victim)
     with pytest.raises(ValueError, match=f"{victim}: refused to load"):
-        load_checkpoint(path, policy=model, optim=optim, world=WORLD)
+        load_checkpoint(path, policy=model, optim=optim, world=ONE_CPU_RANK)
 
 
 @pytest.mark.parametrize("damage", ["truncated shard", "bad json", "torn metadata"])
@@ -221,9 +208,9 @@ def test_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, 
     # The checkpoint it falls back to loads (the step-1 state).
     fresh, fresh_optim = make_bundle(1)
     assert (
-        load_checkpoint(find_checkpoint(tmp_path, "auto"), policy=fresh, optim=fresh_optim, world=WORLD)[
-            "step"
-        ]
+        load_checkpoint(
+            find_checkpoint(tmp_path, "auto"), policy=fresh, optim=fresh_optim, world=ONE_CPU_RANK
+        )["step"]
         == 1
     )
 
@@ -239,7 +226,7 @@ def test_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp_p
         policy=model,
         optim=optim,
         trainer_state={"step": 3},
-        world=WORLD,
+        world=ONE_CPU_RANK,
         save_limit=0,
         model_path="m",
         config={"worker": {"actor": {"optim": {"lr": 0.1}}}},
@@ -248,7 +235,7 @@ def test_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp_p
     fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     opt = torch.optim.AdamW(fresh.parameters(), lr=0.05, betas=(0.5, 0.6), weight_decay=0.3)
     bundle = OptimizerBundle(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)))
-    load_checkpoint(path, policy=fresh, optim=bundle, world=WORLD)
+    load_checkpoint(path, policy=fresh, optim=bundle, world=ONE_CPU_RANK)
     group = opt.param_groups[0]
     assert group["lr"] == bundle.scheduler.get_last_lr()[0] == pytest.approx(0.05 / 4)  # saved: 0.1 / 4
     assert (group["betas"], group["weight_decay"], group["initial_lr"]) == ((0.5, 0.6), 0.3, 0.05)

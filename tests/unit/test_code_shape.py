@@ -1,6 +1,7 @@
 """The package stays readable: short functions, few positional parameters, no test hooks, no outside references.
 
 Limits (measured on the source with `ast`, so they cannot drift from the code):
+  * no module in spmd_grpo/ is longer than 420 lines (past ~400 a file usually holds two jobs: split it);
   * no function or method in spmd_grpo/ is longer than 60 lines (docstring included);
   * no function takes more than 6 parameters that are not keyword-only (`self` counted);
   * the training loop's body (`for step in ...` in trainer.py) is at most 80 lines;
@@ -17,6 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "spmd_grpo"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
+MAX_MODULE_LINES = 420
 MAX_FUNCTION_LINES = 60
 MAX_POSITIONAL = 6
 MAX_LOOP_BODY_LINES = 80
@@ -35,6 +37,15 @@ def _where(path: Path, node: ast.AST) -> str:
 
 def test_sources_found():
     assert len(SOURCES) > 10
+
+
+def test_no_long_modules():
+    long = [
+        f"{p.relative_to(PACKAGE.parent)} ({n} lines)"
+        for p in SOURCES
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, long
 
 
 def test_no_long_functions():

@@ -16,11 +16,10 @@ from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import load_config
 from spmd_grpo.config.validate import validate
 from spmd_grpo.data.samples import Prompt, Sample
-from spmd_grpo.parallel.collectives import World
+from tests.conftest import ONE_CPU_RANK
 from tests.unit.bigram import BigramPolicy
 
 NAN, INF = float("nan"), float("inf")
-WORLD = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
 PREFIX = "rollout_corr/"
 
 
@@ -191,7 +190,7 @@ def make_samples(policy, spec, shifts: list[list[float]]) -> list[Sample]:
 
 def backward(policy, samples, spec):
     policy.zero_grad()
-    sums = mini_batch_backward(policy, samples, spec, WORLD)
+    sums = mini_batch_backward(policy, samples, spec, ONE_CPU_RANK)
     return sums["actor/pg_loss"][0], policy.table.grad.clone()
 
 

@@ -23,11 +23,8 @@ from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.actor.update import mini_batch_backward
 from spmd_grpo.algorithm.correction import CorrectionSpec
 from spmd_grpo.data.samples import Prompt, Sample
-from spmd_grpo.parallel.collectives import World
+from tests.conftest import ONE_CPU_RANK
 from tests.unit.bigram import BigramPolicy
-
-WORLD = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
-
 
 RESPONSE_LENGTHS = [9, 1, 4, 0, 12, 2, 3, 7]  # long-tailed, one empty response
 
@@ -55,7 +52,7 @@ BASE = UpdateSpec(
 
 def backward(policy, samples, spec, **kwargs):
     policy.zero_grad()
-    sums = mini_batch_backward(policy, samples, spec, WORLD, **kwargs)
+    sums = mini_batch_backward(policy, samples, spec, ONE_CPU_RANK, **kwargs)
     return sums, policy.table.grad.clone()
 
 

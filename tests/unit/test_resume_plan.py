@@ -5,12 +5,10 @@ checkpoints are all damaged is not silently restarted; the CLI turns each refusa
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import dump_yaml, load_config
@@ -23,6 +21,7 @@ from spmd_grpo.run.start import (
     plan_start,
 )
 from spmd_grpo.train import main
+from tests.conftest import fake_checkpoint
 
 BASE = ["worker.actor.model.model_path=/models/x", "trainer.experiment_name=run"]
 
@@ -36,20 +35,6 @@ def _quiet_dcp():
 
 def _cfg(tmp_path: Path, *overrides: str):
     return load_config(None, [*BASE, f"trainer.output_dir={tmp_path}", *overrides])
-
-
-def _checkpoint(run_dir: Path, step: int, cfg=None) -> Path:
-    """A complete checkpoint directory with a real one-tensor DCP payload and, given `cfg`, its config."""
-    import torch.distributed.checkpoint as dcp
-
-    d = run_dir / "checkpoints" / f"global_step_{step}"
-    d.mkdir(parents=True)
-    dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
-    torch.save({}, d / "scheduler.pt")
-    if cfg is not None:
-        dump_yaml(cfg, d / "config.yaml")
-    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
-    return d
 
 
 def _tree(path: Path) -> dict[str, bytes]:
@@ -115,7 +100,7 @@ def test_a_new_run_into_a_directory_holding_a_run_is_refused_and_nothing_is_writ
 
 
 def test_another_runs_checkpoint_is_refused_into_a_held_directory_and_compared_when_forking(tmp_path):
-    other = _checkpoint(tmp_path / "other", 3, _cfg(tmp_path, "worker.rollout.n=4"))
+    other = fake_checkpoint(tmp_path / "other", 3, cfg=_cfg(tmp_path, "worker.rollout.n=4"))
     (tmp_path / "run").mkdir()
     plan = plan_start(_cfg(tmp_path, f"trainer.resume={other}", "worker.rollout.n=4", "trainer.max_steps=9"))
     assert plan.checkpoint == other and plan.saved_config == other / "config.yaml"
@@ -129,8 +114,8 @@ def test_another_runs_checkpoint_is_refused_into_a_held_directory_and_compared_w
 def test_resume_refuses_a_meaning_change_names_the_override_and_reports_the_rest(tmp_path):
     run = tmp_path / "run"
     saved_cfg = _cfg(tmp_path, "worker.rollout.n=4", "data.train_files=builtin:color")
-    _checkpoint(run, 2, saved_cfg)
-    newest = _checkpoint(run, 4, saved_cfg)
+    fake_checkpoint(run, 2, cfg=saved_cfg)
+    newest = fake_checkpoint(run, 4, cfg=saved_cfg)
     changed = ["worker.rollout.n=8", "data.train_files=/data/other.parquet", "worker.actor.optim.lr=5e-7"]
     with pytest.raises(ConfigError) as e:
         plan_start(_cfg(tmp_path, *changed))
@@ -160,7 +145,7 @@ def test_resume_refuses_a_meaning_change_names_the_override_and_reports_the_rest
 
 def test_old_checkpoint_without_config_is_compared_with_the_run_dirs(tmp_path):
     run = tmp_path / "run"
-    _checkpoint(run, 1)
+    fake_checkpoint(run, 1)
     dump_yaml(_cfg(tmp_path, "worker.actor.model.model_path=/models/a"), run / "config.yaml")
     with pytest.raises(ConfigError, match=r'model_path "/models/a" -> "/models/x" \(the saved weights'):
         plan_start(_cfg(tmp_path))
@@ -187,7 +172,7 @@ def test_auto_restarts_a_run_without_checkpoint_but_refuses_another_runs_config(
 
 def test_all_checkpoints_damaged_is_an_error_not_a_silent_restart(tmp_path):
     run = tmp_path / "run"
-    ckpt = _checkpoint(run, 2)
+    ckpt = fake_checkpoint(run, 2)
     (ckpt / ".metadata").write_bytes(b"torn")
     with pytest.raises(ConfigError, match=f"every checkpoint in {run / 'checkpoints'} is damaged"):
         plan_start(_cfg(tmp_path))

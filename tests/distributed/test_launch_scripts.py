@@ -1,0 +1,62 @@
+"""The launch scripts start real ranks that get the config and the overrides: each script runs its real
+`python -m spmd_grpo.launch ... -m spmd_grpo.train CONFIG ...` line under torchrun (2 ranks, gloo).
+
+Slurm cannot exist here, so `srun` and `scontrol` are the stand-ins of tests/conftest.py (`slurm_shims`) on
+PATH, on a one-node allocation, and the NPU script's CANN `set_env.sh` files are empty. The GPU template is
+run through a real 2-node training in tests/engine/test_launch.py. An unknown key
+given on the script's command line must come back from every rank as the config error naming it: that
+proves the config path and the overrides reached `spmd_grpo.train` on each rank (after the NPU script's own
+`trainer.device=npu worker.rollout.sleep_level=1`, which are valid keys)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port
+
+UNKNOWN = "trainer.set_by_the_launch_script"
+
+
+@pytest.fixture(scope="module")
+def slurm_env(slurm_shims, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cann")
+    for script in ("toolkit/set_env.sh", "nnal/atb/set_env.sh"):
+        (root / script).parent.mkdir(parents=True, exist_ok=True)
+        (root / script).write_text("")
+    return {
+        "PATH": f"{slurm_shims}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "VENV": "",  # the test's own interpreter is on PATH
+        "NPROC_PER_NODE": "2",
+        "OMP_NUM_THREADS": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_NNODES": "1",
+        "ASCEND_TOOLKIT_HOME": str(root / "toolkit"),
+        "ASCEND_NNAL_HOME": str(root / "nnal"),
+    }
+
+
+@pytest.mark.parametrize(
+    "script", ["launch/local.sh", "launch/slurm/train_gpu.sbatch", "launch/slurm/train_npu.sbatch"]
+)
+def test_script_reaches_every_rank_with_config_and_overrides(script, slurm_env):
+    env = {**os.environ, **slurm_env, "PORT": str(free_port())}
+    proc = subprocess.run(
+        ["bash", script, "configs/smoke.yaml", f"{UNKNOWN}=1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    errors = [line for line in out.splitlines() if f"config error: unknown config key {UNKNOWN}" in line]
+    assert len(errors) == 2, out[-3000:]  # one per rank
+    if script.endswith(".sbatch"):
+        assert "job 4242: 1 nodes x 2 ranks, rendezvous 127.0.0.1:" in out, out[-3000:]
