@@ -113,3 +113,16 @@ def test_npu_requirements_agree_with_the_tested_ranges():
 def test_a_drifted_npu_pin_is_caught(drifted):
     assert _agrees(">=0.32,<0.33", "0.32", "0.33") and _agrees("==0.32.*", "0.32", "0.33")
     assert not _agrees(drifted, "0.32", "0.33")
+
+
+def test_pyproject_bounds_are_the_tested_ranges():
+    """pip and uv install what the start-up check accepts: pyproject's bounds equal SUPPORTED."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["gpu"]]
+    for name, (low, high) in SUPPORTED.items():
+        (req,) = [r for r in requirements if r.name == name]
+        assert {str(s) for s in req.specifier} == {f">={low}", f"<{high}"}, (name, str(req.specifier))
