@@ -41,9 +41,7 @@ def slurm_env(slurm_shims, tmp_path_factory) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize(
-    "script", ["launch/local.sh", "launch/slurm/train_gpu.sbatch", "launch/slurm/train_npu.sbatch"]
-)
+@pytest.mark.parametrize("script", ["launch/local.sh", "launch/slurm/train_npu.sbatch"])
 def test_script_reaches_every_rank_with_config_and_overrides(script, slurm_env):
     env = {**os.environ, **slurm_env, "PORT": str(free_port())}
     proc = subprocess.run(
@@ -56,7 +54,7 @@ def test_script_reaches_every_rank_with_config_and_overrides(script, slurm_env):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    errors = [line for line in out.splitlines() if f"config error: unknown config key {UNKNOWN}" in line]
-    assert len(errors) == 2, out[-3000:]  # one per rank
+    # One per rank (the two ranks' lines can interleave on one line of the captured stderr).
+    assert out.count(f"config error: unknown config key {UNKNOWN}") == 2, out[-3000:]
     if script.endswith(".sbatch"):
         assert "job 4242: 1 nodes x 2 ranks, rendezvous 127.0.0.1:" in out, out[-3000:]
