@@ -16,7 +16,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "image_features": (
-            "dummy_image",
             "encode_images",
             "attach_image_features",
         ),

@@ -13,17 +13,8 @@ from torch import nn
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
 from spmd_grpo.models.families import family_of
-from spmd_grpo.models.inputs import ImageBatch
+from spmd_grpo.models.inputs import ImageBatch, dummy_image
 from spmd_grpo.parallel.collectives import all_reduce_max
-
-
-def dummy_image(hf_config) -> ImageBatch:
-    """The smallest image the vision tower takes (2 x 2 patches, one merged token), for a rank with nothing
-    left to encode while other ranks still run the tower (FSDP needs the same calls on every rank)."""
-    v = hf_config.vision_config
-    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-    merge = v.spatial_merge_size
-    return ImageBatch(torch.zeros(merge * merge, dim), torch.tensor([[1, merge, merge]]))
 
 
 @torch.no_grad()

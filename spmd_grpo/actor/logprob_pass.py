@@ -28,7 +28,7 @@ def compute_logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) 
     out: list[torch.Tensor | None] = [None] * len(samples)
     for rows in micro_batches(samples, spec, for_update=False, padded=not uses_packing(model)):
         chunk = [samples[i] for i in rows] or samples[:1]
-        lp, _ = model(collate_for(model, chunk, spec), temperature=spec.temperature)
+        lp, _ = model(collate_for(model, chunk, spec, for_update=False), temperature=spec.temperature)
         for j, i in enumerate(rows):
             out[i] = lp[j, : len(samples[i].response_ids)].float().cpu()
     if per_pass:  # this model's features: not the next pass's, and the update must re-encode with grad

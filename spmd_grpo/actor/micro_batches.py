@@ -18,12 +18,18 @@ from torch import nn
 
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
+from spmd_grpo.models.families import family_of
 from spmd_grpo.models.inputs import SequenceBatch, collate
 from spmd_grpo.parallel.collectives import all_reduce_max
 
 
 def collate_samples(
-    samples: list[Sample], pad_id: int, device: torch.device | str = "cpu", *, packed: bool = False
+    samples: list[Sample],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    *,
+    packed: bool = False,
+    tower_in_forward: bool = True,
 ) -> SequenceBatch:
     """Prompt+response batch of rollout samples on `device`, right-padded or packed (padding-free), with
     their images: the precomputed features where `encode_images` attached them, else the pixels."""
@@ -35,6 +41,7 @@ def collate_samples(
         pad_id,
         packed=packed,
         image_features=[s.image_features for s in samples],
+        tower_in_forward=tower_in_forward,
     ).to(device)
 
 
@@ -43,10 +50,16 @@ def uses_packing(model: nn.Module) -> bool:
     return bool(getattr(model, "padding_free", False))
 
 
-def collate_for(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> SequenceBatch:
-    """`samples` in the layout `model` was built for (packed when its attention has a varlen path)."""
+def collate_for(
+    model: nn.Module, samples: list[Sample], spec: UpdateSpec, *, for_update: bool
+) -> SequenceBatch:
+    """`samples` in the layout `model` was built for (packed when its attention has a varlen path), marked
+    with whether the pass's forwards run the vision tower (`UpdateSpec.tower_in_forward`)."""
     device = next(model.parameters()).device
-    return collate_samples(samples, spec.pad_token_id, device, packed=uses_packing(model))
+    tower = spec.tower_in_forward(family_of(model.config).reusable_image_features, for_update=for_update)
+    return collate_samples(
+        samples, spec.pad_token_id, device, packed=uses_packing(model), tower_in_forward=tower
+    )
 
 
 def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:

@@ -80,6 +80,18 @@ class UpdateSpec:
             old_logprobs_from_update=a.old_logprobs_from_update,
         )
 
+    def tower_in_forward(self, reusable_features: bool, *, for_update: bool) -> bool:
+        """Whether the forwards of a pass run the vision tower themselves, or take image features encoded
+        before the pass (`encode_images` once per step with a frozen tower, once per forward-only pass with
+        a trained one). `reusable_features`: the model's family can take features (`Family`). Depends on
+        the config alone, so every rank answers the same: the one decision of whether a micro-batch
+        without pixels must run the tower on a dummy image (`PolicyModule`)."""
+        if not reusable_features:
+            return True
+        if self.reuse_image_features:
+            return False
+        return for_update or not self.encode_once_per_pass
+
     def old_logprobs_in_update(self, num_samples: int) -> bool:
         """True when the update takes the old logprobs from its own forward (the step is exactly on-policy:
         one epoch, one mini-batch holding this rank's `num_samples`, no rejection sampling)."""

@@ -130,7 +130,7 @@ def _micro_batch_loss(
     `padding`: a zero-weight micro-batch that only keeps the ranks' forward/backward counts equal.
     """
     device = next(policy.parameters()).device
-    batch = collate_for(policy, samples, spec)
+    batch = collate_for(policy, samples, spec, for_update=True)
     logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
     width = batch.response_mask.shape[1]
     if old_from_forward or padding:

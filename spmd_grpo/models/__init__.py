@@ -60,6 +60,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "collate",
             "mrope_position_ids",
             "response_token_index",
+            "dummy_image",
         ),
         "policy": (
             "VISION_TOKEN_KEYS",

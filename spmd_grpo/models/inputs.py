@@ -37,6 +37,10 @@ class SequenceBatch:
     sequence_lengths: torch.Tensor | None = None  # [B] long (prompt + response), only when packed
     image_features: tuple[torch.Tensor, ...] | None = None
     """Precomputed vision-tower output, one [tokens of image i, H] per image in order; replaces pixel_values."""
+    tower_in_forward: bool = True
+    """Whether the forward runs the vision tower itself: True unless this pass's features were encoded before
+    it (then no rank runs the tower in the pass). Decided by the pass from the config, so it is the same on
+    every rank; with it and no pixels, the forward runs the tower on a dummy image (`PolicyModule`)."""
 
     @property
     def packed(self) -> bool:
@@ -44,9 +48,10 @@ class SequenceBatch:
 
     def to(self, device: torch.device) -> SequenceBatch:
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
-        fields = {f: move(getattr(self, f)) for f in self.__dataclass_fields__ if f != "image_features"}
+        kept = ("image_features", "tower_in_forward")
+        fields = {f: move(getattr(self, f)) for f in self.__dataclass_fields__ if f not in kept}
         feats = None if self.image_features is None else tuple(f.to(device) for f in self.image_features)
-        return SequenceBatch(**fields, image_features=feats)
+        return SequenceBatch(**fields, image_features=feats, tower_in_forward=self.tower_in_forward)
 
 
 @dataclass
@@ -69,10 +74,11 @@ def collate(
     *,
     packed: bool = False,
     image_features: list[tuple[torch.Tensor, ...] | None] | None = None,
+    tower_in_forward: bool = True,
 ) -> SequenceBatch:
     """`prompt + response` sequences, right-padded or (`packed`) back to back in one row; the images
     concatenated in sequence order. With `image_features` (per sequence, None for one without images) the
-    batch carries the features instead of the pixels."""
+    batch carries the features instead of the pixels. `tower_in_forward`: see `SequenceBatch`."""
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
     L, R, B = max(lengths), max(max(len(r) for r in response_ids), 1), len(prompt_ids)
     response_mask = torch.zeros((B, R), dtype=torch.float32)
@@ -99,6 +105,7 @@ def collate(
         image_grid_thw=torch.cat(grids) if grids else None,
         sequence_lengths=torch.tensor(lengths, dtype=torch.long) if packed else None,
         image_features=tuple(feats) if feats else None,
+        tower_in_forward=tower_in_forward,
     )
 
 
@@ -145,3 +152,12 @@ def response_token_index(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tens
         rows = torch.arange(B, device=device)
     col = (starts + batch.prompt_lengths - 1)[:, None] + torch.arange(R, device=device)[None, :]
     return rows[:, None].expand(B, R)[valid], col[valid]
+
+
+def dummy_image(hf_config) -> ImageBatch:
+    """The smallest image the vision tower takes (2 x 2 patches, one merged token), for a rank with nothing to
+    encode while other ranks run the tower (FSDP needs the same calls on every rank)."""
+    v = hf_config.vision_config
+    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    merge = v.spatial_merge_size
+    return ImageBatch(torch.zeros(merge * merge, dim), torch.tensor([[1, merge, merge]]))

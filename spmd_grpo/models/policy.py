@@ -39,7 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from spmd_grpo.models.inputs import ImageBatch, SequenceBatch, mrope_position_ids, response_token_index
+from spmd_grpo.models.inputs import (
+    ImageBatch,
+    SequenceBatch,
+    dummy_image,
+    mrope_position_ids,
+    response_token_index,
+)
 
 VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -49,6 +55,14 @@ def unsamplable_token_ids(hf_config) -> list[int]:
     return sorted(
         {int(getattr(hf_config, k)) for k in VISION_TOKEN_KEYS if getattr(hf_config, k, None) is not None}
     )
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a model output (nested tuples, lists, dicts and `ModelOutput`s)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else ()
+    return [t for v in values for t in _tensors(v)]
 
 
 def _chunk_logprob_entropy(
@@ -110,6 +124,11 @@ class PolicyModule(nn.Module):
         ImageBatch: the vision tower's features, one [tokens of image i, H] per image (for reuse)."""
         if isinstance(batch, ImageBatch):
             return self.hf.model.get_image_features(batch.pixel_values, batch.image_grid_thw).pooler_output
+        # Before the language model, where a micro-batch with pixels runs the tower: FSDP gathers the
+        # vision blocks and the decoder layers in the same order on every rank.
+        idle = None
+        if batch.tower_in_forward and batch.pixel_values is None:
+            idle = self._idle_tower(batch.input_ids.device)
         precomputed = None
         if batch.image_features is not None:
             from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -124,7 +143,27 @@ class PolicyModule(nn.Module):
             mm_encoder_outputs=precomputed,
             use_cache=False,
         )
-        return self._response_logprobs(out.last_hidden_state, batch, temperature, with_entropy)
+        logprobs, entropy = self._response_logprobs(out.last_hidden_state, batch, temperature, with_entropy)
+        if idle is not None:
+            logprobs, entropy = logprobs + idle, entropy + idle
+        return logprobs, entropy
+
+    def _idle_tower(self, device: torch.device) -> torch.Tensor:
+        """The vision tower run on a dummy image, as 0: for a micro-batch without pixels in a pass whose
+        forwards run the tower (text-only prompts, a padding micro-batch), while other ranks' micro-batches
+        hold images. FSDP2 gathers each sharded vision block in its forward, and with a trained tower
+        reduce-scatters its gradients in the backward, on every rank together; skipping the tower here
+        would leave the other ranks waiting in those collectives ("Received data size doesn't match" on
+        gloo, a hang on nccl). Every output of the tower (Qwen3-VL's DeepStack features too) enters the
+        result times zero, so the backward reaches every tower parameter and adds exactly zero.
+
+        Cost: one more tower forward (and backward) per such micro-batch, on a 2 x 2-patch image. For
+        Qwen2.5-VL-7B (675M-parameter tower, 32 blocks) the compute is negligible (~4 patch tokens: ~5
+        GFLOP); the price is the collectives the rank would have run with an image anyway: the tower's
+        all-gather (~1.35 GB in bf16) and, when trained, its gradient reduce-scatter."""
+        dummy = dummy_image(self.config).to(device)
+        out = self.hf.model.get_image_features(dummy.pixel_values, dummy.image_grid_thw)
+        return sum(t.float().sum() for t in _tensors(out)) * 0.0
 
     def _response_logprobs(
         self, hidden: torch.Tensor, batch: SequenceBatch, temperature: float, with_entropy: bool

@@ -1,12 +1,17 @@
 """A bigram policy with the trainer's policy interface, for update tests that need a real gradient in
 milliseconds: the logprob of token y after token x is log_softmax(table[x] / temperature)[y]."""
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
 
 class BigramPolicy(nn.Module):
-    """Returns (response logprobs, entropy) [B, R] like `models.policy.PolicyModule`, zero on padding."""
+    """Returns (response logprobs, entropy) [B, R] like `models.policy.PolicyModule`, zero on padding. Its
+    `config` names a family, as a policy's does (the passes ask it whether image features are reusable)."""
+
+    config = SimpleNamespace(model_type="qwen2_5_vl")
 
     def __init__(self, vocab: int, seed: int) -> None:
         super().__init__()

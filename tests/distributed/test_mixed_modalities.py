@@ -1,0 +1,51 @@
+"""Any mix of modalities on any rank (2 ranks, real torchrun, gloo, FSDP2, fp32): text-only prompts, one
+image, three images and zero-weight padding micro-batches, on different ranks in the same micro-batch slot,
+for every family, padded and packed, trained and frozen vision tower (tests/jobs/mixed_modalities.py).
+
+No collective may mismatch (gloo: "Received data size doesn't match"), the forward-only pass must give each
+sample the logprobs it gets alone in a plain single-process model, and the update's gradient must be finite.
+The negative control removes the mechanism (`PolicyModule._idle_tower`, the dummy tower call of a
+micro-batch without pixels) and expects the job to fail.
+"""
+
+import json
+
+import pytest
+
+from tests.conftest import tiny_model, torchrun
+
+JOB = "tests/jobs/mixed_modalities.py"
+TOL = 1e-5  # fp32; the two models compute the same sums, but kernels may order them differently
+CASES = [f"{scenario}-{tower}-{layout}" for scenario in ("one_rank_text_only", "random")
+         for tower in ("trained", "frozen") for layout in ("padded", "packed")]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_every_composition_on_every_rank(family, tmp_path):
+    torchrun([JOB, str(tiny_model(family=family)), str(tmp_path / "out")])
+    ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert sorted(r) == sorted(CASES)
+        for case, result in r.items():
+            assert result["logprob_diff_max"] <= TOL, (case, result)
+            assert result["grad_finite"], (case, result)
+    text_only, images = (
+        ranks[1]["one_rank_text_only-trained-padded"],
+        ranks[0]["one_rank_text_only-trained-padded"],
+    )
+    assert text_only["images"] == [0, 0, 0, 0] and 3 in images["images"]
+    assert text_only["micro_batch_sizes"][1] == [
+        1,
+        0,
+        0,
+        0,
+    ]  # three padding micro-batches beside rank 0's images
+    assert any(0 in r["random-trained-padded"]["images"] for r in ranks)
+
+
+def test_without_the_mechanism_the_ranks_disagree(tmp_path):
+    proc = torchrun([JOB, str(tiny_model()), str(tmp_path / "out"), "--without-idle-tower"], check=False)
+    assert proc.returncode != 0
+    assert "Received data size doesn't match" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[
+        -3000:
+    ]

@@ -1,0 +1,143 @@
+"""torchrun job: ranks whose micro-batches hold different modalities make the same collective calls.
+
+    torchrun --nproc_per_node 2 tests/jobs/mixed_modalities.py MODEL_DIR OUT_PREFIX [--without-idle-tower]
+
+For each case (padded or packed layout) x (trained or frozen vision tower), each rank holds 4 samples of
+its own composition (prompts with 0, 1 or 3 images, drawn per rank; rank 1 text-only in the first scenario),
+then runs what a training step runs: the forward-only logprob pass (one sample per micro-batch, so one
+rank's micro-batch is text-only while the other's holds images) and the update's backward, once with one
+sample per micro-batch and once with token-budget micro-batches where rank 1 holds one sample and pads with
+three zero-weight micro-batches. Each rank then recomputes every one of its samples alone in a plain
+single-process model (`from_pretrained`, no FSDP) and writes `OUT_PREFIX.rank<r>.json`: per case the
+largest logprob difference and whether the gradient is finite.
+
+`--without-idle-tower` replaces `PolicyModule._idle_tower` by a zero that runs no tower (the mechanism
+removed): the job must then fail in a collective instead of finishing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+
+import torch
+from PIL import Image
+
+from spmd_grpo.actor.logprob_pass import compute_logprobs
+from spmd_grpo.actor.micro_batches import collate_samples, micro_batches
+from spmd_grpo.actor.spec import UpdateSpec
+from spmd_grpo.actor.update import mini_batch_backward
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.models.build import build_policy
+from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
+from spmd_grpo.parallel.collectives import init_distributed
+from tests.jobs.common import chat_text, encode, run_job
+
+NUM_SAMPLES = 4
+SCENARIOS = ("one_rank_text_only", "random")
+
+
+def compositions(scenario: str, rank: int) -> list[int]:
+    """Images per sample of this rank's 4 samples."""
+    if scenario == "one_rank_text_only":
+        return [0, 1, 3, 0] if rank == 0 else [0, 0, 0, 0]
+    rng = random.Random(7 + rank)
+    return [rng.choice([0, 1, 3]) for _ in range(NUM_SAMPLES)]
+
+
+def make_samples(processor, counts: list[int], rank: int) -> list[Sample]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    samples = []
+    for i, k in enumerate(counts):
+        images = [
+            Image.new("RGB", (56 + 28 * (j % 2), 56), (60 * i + 20 * j, 90, 30 * rank)) for j in range(k)
+        ]
+        text = f"Rank {rank} sample {i}: how many images?"
+        if images:
+            enc = encode(processor, images, text)
+            pixels, grid = enc["pixel_values"], enc["image_grid_thw"]
+        else:  # a text-only prompt: no image processor call at all, as the data loader does
+            enc = processor(text=[chat_text(processor, 0, text)], return_tensors="pt")
+            pixels = grid = None
+        length = 2 + (3 * i + rank) % 6
+        response = torch.randint(0, 256, (length,), generator=gen).tolist()
+        prompt = Prompt(uid=i, prompt_token_ids=[], images=images)
+        samples.append(
+            Sample(prompt, 0, enc["input_ids"][0].tolist(), response, [0.0] * length,
+                   pixel_values=pixels, image_grid_thw=grid, advantage=float(i % 3 - 1))
+        )  # fmt: skip
+    return samples
+
+
+def reference_logprobs(model_dir: str, samples: list[Sample], pad_id: int) -> list[torch.Tensor]:
+    """Each sample alone through the unsharded model: the single-process reference."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    model = PolicyModule(hf, unsamplable_token_ids(hf.config)).eval()
+    with torch.no_grad():
+        return [model(collate_samples([s], pad_id))[0][0, : len(s.response_ids)] for s in samples]
+
+
+def run_case(policy, samples: list[Sample], spec: UpdateSpec, world, reference) -> dict:
+    logprobs = compute_logprobs(policy, samples, spec)
+    diff = max((a - b).abs().max().item() for a, b in zip(logprobs, reference, strict=True))
+    for s, lp in zip(samples, logprobs, strict=True):
+        s.old_logprobs = lp
+    finite, micro_batches_used = True, []
+    # One sample per micro-batch on both ranks; then token-budget micro-batches of one sample each where rank 1
+    # holds a single sample: it pads with zero-weight micro-batches while rank 0's hold images.
+    padding = dataclasses.replace(spec, dynamic_batching=True, max_token_len_for_update=1)
+    for budget_spec, mine in ((spec, samples), (padding, samples if world.rank == 0 else samples[:1])):
+        for p in policy.parameters():
+            p.grad = None
+        mini_batch_backward(policy, mine, budget_spec, world)
+        parts = micro_batches(mine, budget_spec, for_update=True, padded=not policy.padding_free)
+        micro_batches_used.append([len(p) for p in parts])  # an empty part: a zero-weight padding micro-batch
+        grads = [p.grad.full_tensor() for p in policy.parameters() if p.grad is not None]
+        finite &= bool(grads) and all(torch.isfinite(g).all().item() for g in grads)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    return {"logprob_diff_max": diff, "grad_finite": finite, "micro_batch_sizes": micro_batches_used,
+            "images": [len(s.prompt.images) for s in samples], "lengths": lengths}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("out_prefix")
+    ap.add_argument("--without-idle-tower", action="store_true")
+    args = ap.parse_args()
+    from transformers import AutoProcessor
+
+    if args.without_idle_tower:
+        PolicyModule._idle_tower = lambda self, device: torch.zeros((), device=device)
+    world = init_distributed("cpu", timeout_s=60)
+    processor = AutoProcessor.from_pretrained(args.model_dir)
+    pad_id = processor.tokenizer.pad_token_id
+    spec = UpdateSpec(
+        temperature=1.0, pad_token_id=pad_id, max_response_length=8, mini_batch_size=NUM_SAMPLES,
+        micro_batch_size=1, experience_micro_batch_size=1,
+    )  # fmt: skip
+    out = {}
+    for scenario in SCENARIOS:
+        samples = make_samples(processor, compositions(scenario, world.rank), world.rank)
+        reference = reference_logprobs(args.model_dir, samples, pad_id)
+        for frozen in (False, True):
+            actor = ActorConfig(
+                model=ModelConfig(model_path=args.model_dir, freeze_vision_tower=frozen),
+                fsdp=FSDPConfig(param_dtype="float32"),
+            )
+            policy = build_policy(actor, world)
+            for packed in (False, True):
+                policy.padding_free = packed
+                case = f"{scenario}-{'frozen' if frozen else 'trained'}-{'packed' if packed else 'padded'}"
+                out[case] = run_case(policy, samples, spec, world, reference)
+    with open(f"{args.out_prefix}.rank{world.rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    run_job(main)
