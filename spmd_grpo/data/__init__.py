@@ -23,13 +23,12 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "load_dataset",
         ),
         "images": (
-            "IMAGE_FACTOR",
+            "DEFAULT_IMAGE_FACTOR",
             "BadRow",
             "reason_kind",
             "image_list",
             "decode_image",
             "resized_size",
-            "processor_size",
             "resize_image",
         ),
         "prompts": (

@@ -131,7 +131,8 @@ class Example:
     @property
     def images(self) -> list[Image.Image]:
         """The row's images, decoded and resized NOW (each read decodes again; nothing is kept): RGB, resized
-        by qwen_vl_utils.smart_resize (factor 28) into [min_pixels, max_pixels]. The same decode passed at
+        by qwen_vl_utils.smart_resize (the processor's factor: 28, or 32 for Qwen3-VL) into [min_pixels,
+        max_pixels]. The same decode passed at
         load; a failure now means the source changed since, and is a ValueError naming the file and row."""
         return self.source.images(self.row)
 
@@ -164,6 +165,10 @@ def load_dataset(
     try:
         sources, unreadable = open_sources(source, cfg, split)
         prompting = Prompting.for_load(cfg, processor, limit_images, log=rank == 0)
+        for (
+            s
+        ) in sources:  # images are resized as this model's processor resizes them (28 or 32 pixels a token)
+            s.factor = prompting.factor
         layout = [(s.name, s.num_rows) for s in sources]
         mine: tuple[str, Any, Any] = ("ok", layout, check_share(sources, prompting, rank, world_size))
     except Exception as e:  # sent to every rank, so none waits in the all-gather for this one

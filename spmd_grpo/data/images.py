@@ -15,7 +15,9 @@ from PIL import Image
 
 from spmd_grpo.config.schema import DataConfig
 
-IMAGE_FACTOR = 28  # Qwen2.5-VL: patch 14 x spatial merge 2; one image token per 28x28 pixels
+DEFAULT_IMAGE_FACTOR = 28
+"""Pixels per image-token side when no processor says otherwise: patch 14 x spatial merge 2 (Qwen2-VL,
+Qwen2.5-VL). Qwen3-VL's processor says 32 (patch 16 x merge 2): the factor comes from the processor."""
 
 
 _BYTESIO_REPR = re.compile(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>")
@@ -105,44 +107,29 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def resized_size(image: Image.Image, cfg: DataConfig) -> tuple[int, int]:
-    """(width, height) of `image` after qwen_vl_utils.smart_resize into [min_pixels, max_pixels]."""
+def resized_size(image: Image.Image, cfg: DataConfig, factor: int) -> tuple[int, int]:
+    """(width, height) of `image` after qwen_vl_utils.smart_resize into [min_pixels, max_pixels] to multiples
+    of `factor` (the processor's patch x merge size): what the processor itself computes, so its own resize
+    of the result is the identity and each image is resized once."""
     from qwen_vl_utils import smart_resize
 
     try:
         height, width = smart_resize(
-            image.height,
-            image.width,
-            factor=IMAGE_FACTOR,
-            min_pixels=cfg.min_pixels,
-            max_pixels=cfg.max_pixels,
+            image.height, image.width, factor=factor, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels
         )
     except ValueError as e:  # extreme aspect ratio
         raise BadRow("image cannot be resized", str(e)) from e
-    if min(width, height) < IMAGE_FACTOR or width * height > cfg.max_pixels:
+    if min(width, height) < factor or width * height > cfg.max_pixels:
         # A thin image under a small max_pixels: smart_resize floors one side to 0 (PIL's resize then fails
         # in the middle of training), and the processor's own rule would exceed max_pixels.
         raise BadRow(
             "image cannot be resized",
-            f"{image.width}x{image.height} has no {IMAGE_FACTOR}-multiple size within "
+            f"{image.width}x{image.height} has no {factor}-multiple size within "
             f"data.max_pixels={cfg.max_pixels} at its aspect ratio",
         )
     return width, height
 
 
-def processor_size(size: tuple[int, int], cfg: DataConfig, factor: int) -> tuple[int, int]:
-    """(width, height) the processor gives an image of `size` (already resized here with factor 28): the same
-    for patch 14 (Qwen2-VL, Qwen2.5-VL); Qwen3-VL's patch 16 resizes again to multiples of 32."""
-    if factor == IMAGE_FACTOR:
-        return size
-    from qwen_vl_utils import smart_resize
-
-    height, width = smart_resize(
-        size[1], size[0], factor=factor, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels
-    )
-    return width, height
-
-
-def resize_image(image: Image.Image, cfg: DataConfig) -> Image.Image:
-    size = resized_size(image, cfg)
+def resize_image(image: Image.Image, cfg: DataConfig, factor: int) -> Image.Image:
+    size = resized_size(image, cfg, factor)
     return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd_grpo.config.schema import DataConfig
-from spmd_grpo.data.images import IMAGE_FACTOR, BadRow
+from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR, BadRow
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def _image_processor_bounds(processor) -> tuple[int | None, int | None, int]:
     """(min_pixels, max_pixels, tokens-per-side factor) of the processor's image resize, where it says."""
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None:
-        return None, None, IMAGE_FACTOR
+        return None, None, DEFAULT_IMAGE_FACTOR
     factor = getattr(image_processor, "patch_size", 14) * getattr(image_processor, "merge_size", 2)
     size = getattr(image_processor, "size", None)
     size = dict(size.items()) if hasattr(size, "items") else {}

@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from spmd_grpo.data.images import BadRow, decode_image, image_list, processor_size, resized_size
+from spmd_grpo.data.images import BadRow, decode_image, image_list, resized_size
 from spmd_grpo.data.prompts import Prompting, chat_messages, check_text
 from spmd_grpo.data.sources import Rows, Unreadable
 
@@ -97,7 +97,7 @@ def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, s
     check_text(text, len(images), prompting)
     expansion = 0
     for image in images:
-        width, height = processor_size(resized_size(decode_image(image, source.base_dir), cfg), cfg, factor)
+        width, height = resized_size(decode_image(image, source.base_dir), cfg, factor)
         expansion += (height // factor) * (width // factor) - 1
     prompt = prompting.processor.apply_chat_template(
         chat_messages(text, cfg), add_generation_prompt=True, tokenize=False

@@ -17,7 +17,7 @@ from PIL import Image
 
 from spmd_grpo.config.checks import BUILTIN_DATASETS, HUB_ID
 from spmd_grpo.config.schema import DataConfig
-from spmd_grpo.data.images import BadRow, decode_image, image_list, resize_image
+from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR, BadRow, decode_image, image_list, resize_image
 from spmd_grpo.data.synthetic import color_task_examples, synthetic_geo3k_rows
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Rows:
     index_offset: int  # Example.index of row 0
     base_dir: Path | None  # where relative image paths are resolved
     cfg: DataConfig
+    factor: int = DEFAULT_IMAGE_FACTOR  # pixels per image-token side; load_dataset sets the processor's
 
     def read(self, start: int, stop: int) -> Iterator[tuple[int, dict]]:
         raise NotImplementedError
@@ -56,7 +57,9 @@ class Rows:
     def images(self, row: int) -> list[Image.Image]:
         try:
             images = image_list(self.raw_images(row))
-            return [resize_image(decode_image(image, self.base_dir), self.cfg) for image in images]
+            return [
+                resize_image(decode_image(image, self.base_dir), self.cfg, self.factor) for image in images
+            ]
         except BadRow as e:
             raise ValueError(f"{self.name} row {row}: {e}, though it passed the check at load") from e
 
