@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from spmd_grpo.actor.image_features import dummy_image, encode_images
+from spmd_grpo.actor.image_features import encode_images
 from spmd_grpo.actor.logprob_pass import compute_logprobs
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.config.checks import ConfigError
@@ -24,7 +24,7 @@ from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models import attention as attention_module
 from spmd_grpo.models import build as model_module
 from spmd_grpo.models.attention import VARLEN_SDPA
-from spmd_grpo.models.inputs import ImageBatch, collate, mrope_position_ids
+from spmd_grpo.models.inputs import ImageBatch, collate, dummy_image, mrope_position_ids
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from tests.conftest import tiny_model
 
