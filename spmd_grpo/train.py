@@ -10,6 +10,7 @@ run/start.py); a problem in either prints one line on stderr and exits with code
 
 from __future__ import annotations
 
+import os
 import sys
 
 from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError
@@ -18,6 +19,7 @@ from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import env_world_size, validate
 from spmd_grpo.config.versions import VersionError, check_versions
 from spmd_grpo.models.families import family_of_model_path
+from spmd_grpo.parallel.signals import exit_with_launcher
 
 DRY_RUN_OPTIONS = ("--nnodes", "--nproc-per-node", "--device-memory-gb")
 
@@ -72,6 +74,7 @@ def check_family(model_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_with_launcher()  # a rank whose torchrun agent is killed must not go on alone
     argv = sys.argv[1:] if argv is None else argv
     try:
         path, overrides, dry_run_options = parse_args(argv)
@@ -86,9 +89,16 @@ def main(argv: list[str] | None = None) -> None:
         check_reward_imports(cfg)
         check_family(cfg.worker.actor.model.model_path)
         check_versions()
+        from spmd_grpo.run.lock import lock_run_dir, name_holder
         from spmd_grpo.run.start import plan_start
 
-        start = plan_start(cfg)  # new run or resume, and the config diff, before anything is written
+        # One job per run directory: rank 0 locks it before anything is written, names itself once accepted.
+        holds_lock = int(os.environ.get("RANK", "0")) == 0
+        if holds_lock:
+            lock_run_dir(cfg.run_dir)
+        start = plan_start(cfg)  # new run or resume, and the config diff
+        if holds_lock:
+            name_holder(cfg.run_dir)
     except (ConfigError, ValueError, VersionError) as e:
         kind = "version" if isinstance(e, VersionError) else "config"
         print(f"{kind} error: {e}", file=sys.stderr)

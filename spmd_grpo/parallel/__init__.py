@@ -42,6 +42,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "StopOnSignal",
             "exit_promptly",
             "warn_if_grace_outlasts_shutdown",
+            "PR_SET_PDEATHSIG",
+            "exit_with_launcher",
         ),
     },
 )

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_grpo.parallel.devices import BACKENDS, device_module, resolve_device_type
+from spmd_grpo.parallel.signals import exit_with_launcher
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,9 @@ class World:
 
 
 def init_distributed(device: str = "auto", timeout_s: int = 1800) -> World:
-    """Initialise the default process group from torchrun's environment (or a 1-process world without it)."""
+    """Initialise the default process group from torchrun's environment (or a 1-process world without it).
+    Under torchrun the rank dies with its launcher from here on (`signals.exit_with_launcher`)."""
+    exit_with_launcher()
     device_type = resolve_device_type(device)
     if "RANK" not in os.environ:  # plain `python -m spmd_grpo.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

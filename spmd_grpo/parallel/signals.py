@@ -8,6 +8,7 @@ rank whose launcher is gone exits instead of training on.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -142,3 +143,28 @@ def warn_if_grace_outlasts_shutdown(grace_s: float, *, is_main: bool) -> None:
             grace_s,
             shutdown_s,
         )
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def exit_with_launcher() -> None:
+    """Under torchrun (Linux): the kernel kills this rank (SIGKILL) the moment its launcher dies, by any signal.
+
+    torchrun's agent forwards SIGTERM/SIGINT to its ranks, but an agent that is SIGKILLed (the OOM killer, a
+    lost Slurm step, `kill -9`) forwards nothing: its ranks were re-parented and kept training, saving and
+    pruning checkpoints for minutes, and a restarted job then found its checkpoint pruned under it.
+    `prctl(PR_SET_PDEATHSIG, SIGKILL)` ties the rank's life to its parent, the agent; a save interrupted that
+    way leaves a `.tmp` directory, never a checkpoint that looks complete. An agent already gone before the
+    call (the rank was re-parented to init) ends the rank at once. Idempotent; a no-op without torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank outlives a killed launcher",
+            ctypes.get_errno(),
+        )
+    elif os.getppid() == 1:
+        log.error("the launcher of this rank is gone: exiting")
+        _hard_exit(1)

@@ -2,6 +2,7 @@
 
     checkpoint.py  sharded DCP checkpoints with LR schedule, RNG and trainer state; completeness checks
     start.py       `plan_start`: new run or resume, and which config changes a resume accepts
+    lock.py        one job per run directory: an exclusive lock rank 0 holds for the job's life
     export.py      `python -m spmd_grpo.export CKPT OUT`: a checkpoint as a Hugging Face model directory
 
 The names below are imported on first use, so importing one module of the package stays light.
@@ -31,6 +32,10 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "SIDE_FILE_SUFFIXES",
             "NOT_COPIED",
             "export_hf",
+        ),
+        "lock": (
+            "LOCK",
+            "lock_run_dir",
         ),
         "start": (
             "MEANING_CHANGING",

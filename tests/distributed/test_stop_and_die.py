@@ -111,3 +111,30 @@ def test_step_longer_than_the_grace_period_is_cut_short_with_143(tmp_path):
     assert grace_s <= min(gone) and max(gone) < grace_s + MAX_TEARDOWN_S, output[-3000:]
     assert exited_at - signalled_at < grace_s + MAX_TORCHRUN_S, output[-3000:]
     assert proc.returncode == 143, output[-3000:]
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigkilled_launcher_takes_its_ranks_along_within_seconds(tmp_path):
+    """kill -9 of the launcher (the OOM killer, a lost Slurm step) forwards nothing to the ranks: before
+    `exit_with_launcher` they went on for minutes, training, saving and pruning checkpoints."""
+    proc = _launch(tmp_path, "loop")
+    _wait_ready(proc, tmp_path)
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
+    killed_at = time.monotonic()
+    proc.kill()  # SIGKILL to the torchrun agent: no signal reaches the ranks from it
+    proc.wait()
+    while any(_alive(p) for p in pids) and time.monotonic() - killed_at < 30:
+        time.sleep(0.05)
+    gone_after, orphans = time.monotonic() - killed_at, [p for p in pids if _alive(p)]
+    for pid in orphans:  # a failing run must not leave them looping for hours
+        os.kill(pid, signal.SIGKILL)
+    print(f"\nlauncher SIGKILLed: both ranks gone {gone_after:.2f} s later")
+    assert not orphans, f"ranks {orphans} still alive {gone_after:.0f} s after the launcher died"
+    assert gone_after < MAX_TEARDOWN_S
