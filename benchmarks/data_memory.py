@@ -63,9 +63,14 @@ def pipeline(parquet: Path, processor, batch: int) -> tuple[list, list]:
     images. Returns (examples, [(prompt token ids, images)] of the step)."""
     from dataclasses import replace
 
-    from spmd_grpo.config.schema import DataConfig
-    from spmd_grpo.data.dataset import load_dataset
-    from spmd_grpo.data.sampler import PromptSampler
+    # Names both package layouts export (`--before` may measure a commit of the flat layout).
+    from spmd_grpo.config import DataConfig
+    from spmd_grpo.data import load_dataset
+
+    try:
+        from spmd_grpo.data import PromptSampler
+    except ImportError:  # the flat layout: spmd_grpo/sampler.py
+        from spmd_grpo.sampler import PromptSampler
 
     cfg = replace(DataConfig(), train_files=str(parquet), rollout_batch_size=batch)
     examples = load_dataset(cfg, processor, "train")
@@ -79,7 +84,7 @@ def measure(parquet: Path, model_dir: Path, batch: int) -> dict:
     """In this (fresh) process: base RSS, then the data pipeline's peak and what it keeps (bytes)."""
     import transformers
 
-    import spmd_grpo.data.dataset
+    from spmd_grpo.data import load_dataset
 
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
     # A warm-up run on a small file pays the first-use imports, caches and code pages (not per-row costs).
@@ -96,7 +101,7 @@ def measure(parquet: Path, model_dir: Path, batch: int) -> dict:
     release_free_memory()
     kept = proc_mem()["VmRSS"] - base
     return {
-        "module": spmd_grpo.data.dataset.__file__,
+        "module": sys.modules[load_dataset.__module__].__file__,
         "rows": len(examples),
         "seconds": seconds,
         "base": base,
