@@ -35,10 +35,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "build_optimizer",
             "clip_grad_norm",
         ),
-        "spec": (
-            "MetricSums",
-            "UpdateSpec",
-        ),
+        "spec": ("UpdateSpec",),
         "update": (
             "padded_correction",
             "mini_batch_backward",

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from spmd_grpo.algorithm.correction import CorrectionSpec
 from spmd_grpo.config.schema import Config
 
-MetricSums = dict[str, tuple[float, float]]
-
 
 @dataclass(frozen=True)
 class UpdateSpec:

@@ -57,8 +57,8 @@ from torch import nn
 
 from spmd_grpo.actor.micro_batches import collate_for, micro_batches, pad_rows, uses_packing
 from spmd_grpo.actor.optimizer import clip_grad_norm
-from spmd_grpo.actor.spec import MetricSums, UpdateSpec
-from spmd_grpo.algorithm.correction import Correction, rollout_correction
+from spmd_grpo.actor.spec import UpdateSpec
+from spmd_grpo.algorithm.correction import Correction, MetricSums, rollout_correction
 from spmd_grpo.algorithm.loss import aggregate, kl_penalty, policy_loss
 from spmd_grpo.data.samples import Sample
 from spmd_grpo.parallel.collectives import World, all_reduce_max, all_reduce_min, all_reduce_sum

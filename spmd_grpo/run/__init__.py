@@ -36,6 +36,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "lock": (
             "LOCK",
             "lock_run_dir",
+            "name_holder",
         ),
         "start": (
             "MEANING_CHANGING",
