@@ -23,8 +23,11 @@ Deviations:
   longer than max_response_length (which the sampler's length limit prevents anyway).
 """
 
+import contextlib
 import functools
 import importlib.util
+import inspect
+import io
 import math
 import numbers
 import re
@@ -121,17 +124,40 @@ def load_reward_function(spec: str, format_weight: float = 0.1) -> RewardFn:
         raise ValueError(f"reward function spec {spec!r}: cannot load {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
+    printed = io.StringIO()  # argparse at import prints its usage: kept for the one-line error, else replayed
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
+        with contextlib.redirect_stderr(printed):
+            module_spec.loader.exec_module(module)
+    except BaseException as e:  # noqa: BLE001 - sys.exit / argparse (SystemExit) and KeyboardInterrupt too
         del sys.modules[module_name]
-        raise ValueError(f"reward function spec {spec!r}: importing {str(path)!r} failed: {e!r}") from e
+        lines = [line.strip() for line in printed.getvalue().splitlines() if line.strip()]
+        said = f", having printed {lines[-1]!r}" if lines else ""
+        raise ValueError(
+            f"reward function spec {spec!r}: importing {str(path)!r} raised {_describe(e)}{said}"
+        ) from e
+    sys.stderr.write(printed.getvalue())
     if not hasattr(module, fn_name):
         raise ValueError(f"reward function spec {spec!r}: {str(path)!r} has no attribute {fn_name!r}")
     fn = getattr(module, fn_name)
     if not callable(fn):
         raise ValueError(f"reward function spec {spec!r}: {fn_name!r} is a {type(fn).__name__}, not callable")
     return fn
+
+
+def _describe(error: BaseException) -> str:
+    """An exception from user code in one phrase; `SystemExit` (not an `Exception`: it once ended the job
+    with exit code 0 and nothing trained) says where it comes from."""
+    if isinstance(error, SystemExit):
+        return f"SystemExit({error.code!r}) (sys.exit, or argparse reading the trainer's command line)"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _source_file(fn: Callable) -> str:
+    """The file that defines `fn` (through functools wrappers), for errors; '?' when it has none."""
+    try:
+        return inspect.getsourcefile(inspect.unwrap(fn)) or "?"
+    except TypeError:
+        return "?"
 
 
 def _describe_sample(samples: Sequence[dict[str, Any]], index: int) -> str:
@@ -153,11 +179,11 @@ def score_samples(
         return {"overall": torch.zeros(0, dtype=torch.float32)}
     try:
         results = fn(samples)
-    except Exception as e:
+    except BaseException as e:  # noqa: BLE001 - a SystemExit from user code must fail the job, not end it
         uids = [s.get("uid") for s in samples if isinstance(s, dict) and "uid" in s]
         uid_note = f", uids {uids[0]!r}..{uids[-1]!r}" if uids else ""
         raise RewardError(
-            f"reward function {fn_name} raised {type(e).__name__}: {e} on {batch_name} "
+            f"reward function {fn_name} ({_source_file(fn)}) raised {_describe(e)} on {batch_name} "
             f"({len(samples)} samples{uid_note})"
         ) from e
 

@@ -16,6 +16,21 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix; the message is one line naming the key."""
 
 
+class OutOfRange(ConfigError):
+    """A value of the right type that no setting may take (NaN, a number beyond what its destination holds)."""
+
+
+# Where numbers go decides how large they may be. Every integer key is a C int (vLLM's and torch's sizes and
+# token counts; seeds: numpy takes < 2**32 and the engine adds the rank to trainer.seed); every float key
+# meets float32 tensors. Durations in seconds stop at 2**31 - 1 too: `datetime.timedelta` (the process
+# group's timeout; gloo keeps it as int64 milliseconds) and `time.sleep` (int64 nanoseconds: ~292 years)
+# both take that, and 10**20 s raised OverflowError only when the process group was built.
+C_INT_MIN = -(2**31)
+C_INT_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_SECONDS = C_INT_MAX
+
+
 # ------------------------------------------------------------------------------------------ section rules
 def require(ok: bool, message: str) -> None:
     if not ok:
@@ -47,6 +62,15 @@ def require_nonempty(section: Any, prefix: str, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
         require(bool(value and value.strip()), f"{prefix}{name} must be a non-empty string, got {value!r}")
+
+
+def require_seconds(section: Any, prefix: str, *names: str) -> None:
+    """Durations: > 0 and at most `MAX_SECONDS`."""
+    for name in names:
+        value = getattr(section, name)
+        require(
+            0 < value <= MAX_SECONDS, f"{prefix}{name} must be in (0, {MAX_SECONDS}] seconds, got {value}"
+        )
 
 
 def require_top_k(prefix: str, top_k: int) -> None:
@@ -100,6 +124,23 @@ def check_model_path(key: str, value: str) -> None:
     require(
         not offline or _hub_cache_has(value),
         f"{key}: {value!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
+    )
+
+
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+"""What a local processor directory must hold, one group at least: a fast tokenizer's file, or the BPE files
+transformers builds the Qwen tokenizer from. Without them it fails after the config checks, on every rank,
+with advice about sentencepiece that names no file."""
+
+
+def check_tokenizer_dir(key: str, value: str) -> None:
+    """A local directory the processor is read from holds tokenizer files (a hub id is left to the hub)."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        return
+    require(
+        any(all((path / name).is_file() for name in group) for group in TOKENIZER_FILES),
+        f"{key}: {value!r} holds no tokenizer files (tokenizer.json, or vocab.json and merges.txt)",
     )
 
 

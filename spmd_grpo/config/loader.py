@@ -2,7 +2,8 @@
 
 Strict where a typo would otherwise be silent: a key repeated in one YAML mapping is refused (file and both
 lines named), an unknown key is refused with its full dotted name and the closest valid key, a value of the
-wrong type names the key and the expected type, and floats must be finite. `to_dict` / `dump_yaml` write the
+wrong type names the key and the expected type, floats must be finite and within float32, integers within
+a C int (checks.py says why). `to_dict` / `dump_yaml` write the
 resolved config back (next to the run's logs and into every checkpoint).
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from spmd_grpo.config.checks import ConfigError
+from spmd_grpo.config.checks import C_INT_MAX, C_INT_MIN, FLOAT32_MAX, ConfigError, OutOfRange
 from spmd_grpo.config.schema import Config
 
 
@@ -29,13 +30,19 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory (give the path of a YAML file)")
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            with path.open() as stream:  # a stream, so that errors name the file
+            with path.open(encoding="utf-8") as stream:  # a stream, so that errors name the file
                 raw = yaml.load(stream, Loader=_StrictLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not UTF-8 text ({_first_bad_byte(path)})") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} is not readable: {e.strerror}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     for item in overrides:
@@ -66,6 +73,17 @@ class _StrictLoader(yaml.SafeLoader):
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+def _first_bad_byte(path: Path) -> str:
+    """Where a file stops being UTF-8 (the decoder's error is relative to the chunk the reader held)."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return f"byte {data[e.start]:#04x} on line {line}"
+    return "it changed while read"
 
 
 def _one_line(error: yaml.YAMLError) -> str:
@@ -140,9 +158,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 continue
             try:
                 return _coerce(arg, value, key)
-            except ConfigError as e:
-                if "finite" in str(e):  # the right type, a wrong value: say so, not "expected float or null"
-                    raise
+            except OutOfRange:  # the right type, a wrong value: say so, not "expected float or null"
+                raise
+            except ConfigError:
+                pass
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
         if value not in args:
@@ -160,10 +179,14 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         number = _as_float(value)
         if number is not None:
             if not math.isfinite(number):
-                raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+                raise OutOfRange(f"{key}: must be a finite number, got {value!r}")
+            if abs(number) > FLOAT32_MAX:
+                raise OutOfRange(f"{key}: {value!r} is beyond float32 (|x| <= {FLOAT32_MAX:.4g})")
             return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not C_INT_MIN <= value <= C_INT_MAX:
+                raise OutOfRange(f"{key}: {value} does not fit a C int ({C_INT_MIN}..{C_INT_MAX})")
             return value
     elif tp is bool or tp is str:
         if isinstance(value, tp):

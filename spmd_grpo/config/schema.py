@@ -39,6 +39,7 @@ from spmd_grpo.config.checks import (
     require_nonempty,
     require_off_or_positive,
     require_positive,
+    require_seconds,
 )
 from spmd_grpo.config.workers import WorkerConfig
 
@@ -146,7 +147,7 @@ class OverlongBufferConfig:
     penalty_factor: float = 1.0
 
     def check(self, prefix: str) -> None:
-        require_at_least(self, prefix, 0, "penalty_factor")
+        require_at_least(self, prefix, 0, "length", "penalty_factor")  # checked even while disabled
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,8 @@ class TrainerConfig:
     """Log one memory line per phase (rollout, update) on rank 0."""
 
     def check(self, prefix: str) -> None:
-        require_positive(self, prefix, "total_epochs", "collective_timeout_s", "log_every", "preempt_grace_s")
+        require_positive(self, prefix, "total_epochs", "log_every")
+        require_seconds(self, prefix, "collective_timeout_s", "preempt_grace_s")
         require_nonempty(self, prefix, "project_name", "experiment_name", "output_dir")
         require(
             self.max_steps is None or self.max_steps >= 1,

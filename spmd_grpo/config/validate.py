@@ -9,7 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
-from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError, count_rows, require
+from spmd_grpo.config.checks import BUILTIN_REWARDS, C_INT_MAX, ConfigError, count_rows, require
 from spmd_grpo.config.schema import Config
 
 
@@ -89,6 +89,11 @@ def _check_data_size(cfg: Config) -> None:
 def _check_batch_split(cfg: Config, world_size: int) -> None:
     """Prompts, samples, mini- and micro-batches split evenly over the ranks and the TP groups."""
     d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
+    require(
+        cfg.max_model_len <= C_INT_MAX,
+        f"data.max_prompt_length + data.max_response_length ({cfg.max_model_len}) must fit a C int "
+        f"(<= {C_INT_MAX}): it is vLLM's max_model_len",
+    )
     require(
         d.rollout_batch_size % world_size == 0,
         f"data.rollout_batch_size ({d.rollout_batch_size}) must be divisible by the world size ({world_size})",

@@ -12,6 +12,7 @@ from spmd_grpo.config.checks import (
     BUILTIN_REWARDS,
     check_model_path,
     check_reward_file,
+    check_tokenizer_dir,
     require,
     require_at_least,
     require_positive,
@@ -37,6 +38,8 @@ class ModelConfig:
         check_model_path(f"{prefix}model_path", self.model_path)
         if self.tokenizer_path is not None:
             check_model_path(f"{prefix}tokenizer_path", self.tokenizer_path)
+        source = "tokenizer_path" if self.tokenizer_path is not None else "model_path"
+        check_tokenizer_dir(f"{prefix}{source}", getattr(self, source))
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ def test_cross_field_rules(overrides, world, message):
 def test_every_shipped_config_validates(tmp_path, monkeypatch):
     """Hub ids (model, data set) are accepted as they are; a local model path must hold config.json."""
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
     monkeypatch.chdir(REPO)  # the configs name their prompt template relative to the repository root
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     configs = sorted((REPO / "configs").glob("*.yaml"))

@@ -22,6 +22,11 @@ from spmd_grpo.config.loader import load_config
 from spmd_grpo.config.validate import validate
 
 NUM_TRAIN_ROWS = 8
+USER_CODE_THAT_EXITS = {  # reward files whose import raises a BaseException that is not an Exception
+    "exits_at_import": "import sys\nsys.exit(0)",
+    "argparse_at_import": "import argparse\nargparse.ArgumentParser().parse_args()",
+    "interrupts_at_import": "raise KeyboardInterrupt",
+}
 
 
 class ReachedTrainer(Exception):
@@ -34,6 +39,9 @@ def files(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("config_errors")
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    (root / "model" / "tokenizer.json").write_text("{}")
+    (root / "no_tokenizer").mkdir()  # a checkpoint whose tokenizer.json was deleted
+    (root / "no_tokenizer" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     (root / "empty").mkdir()
     table = pa.table({"problem": ["<image>1+1?"] * NUM_TRAIN_ROWS, "answer": ["2"] * NUM_TRAIN_ROWS})
     (root / "llava").mkdir()
@@ -46,6 +54,9 @@ def files(tmp_path_factory) -> Path:
     (root / "broken_import.py").write_text("import no_such_module_xyz\n\ndef fn(samples):\n    return []\n")
     (root / "not_callable.py").write_text("fn = 3\n")
     (root / "syntax_error.py").write_text("def fn(:\n")
+    for name, statement in USER_CODE_THAT_EXITS.items():
+        (root / f"{name}.py").write_text(f"{statement}\n\ndef fn(samples):\n    return []\n")
+    (root / "latin1.yaml").write_bytes("data:\n  system_prompt: caf\xe9\n".encode("latin-1"))
     (root / "run" / "checkpoints").mkdir(parents=True)
     (root / "base.yaml").write_text(
         f"data:\n  train_files: {root / 'train.parquet'}\n  val_files: builtin:color\n"
@@ -100,6 +111,11 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["worker.reward.reward_function=ROOT/not_callable.py:fn"], "worker.reward.reward_function"),
     (["worker.reward.reward_function=ROOT/syntax_error.py:fn"], "worker.reward.reward_function"),
     (["trainer.resume=ROOT/run/checkpoints/global_step_7"], "trainer.resume"),
+    (["worker.actor.model.model_path=ROOT/no_tokenizer"], "worker.actor.model.model_path"),
+    *(
+        ([f"worker.reward.reward_function=ROOT/{name}.py:fn"], "worker.reward.reward_function")
+        for name in USER_CODE_THAT_EXITS
+    ),
 ]
 VALUE_ROWS = [
     # data
@@ -202,6 +218,15 @@ VALUE_ROWS = [
     ([f"{T}experiment_name="], f"{T}experiment_name"),
     ([f"{T}val_generations_to_log=-1"], f"{T}val_generations_to_log"),
     ([f"{T}val_freq=5", "data.val_files=null"], f"{T}val_freq"),  # validation without a validation set
+    # numbers beyond where they go (see test_every_number_key_has_a_range for all of them)
+    (["data.seed=100000000000000000000000"], "data.seed"),
+    ([f"{T}seed=4294967296"], f"{T}seed"),
+    ([f"{T}collective_timeout_s=100000000000000000000"], f"{T}collective_timeout_s"),
+    ([f"{T}preempt_grace_s=1e10"], f"{T}preempt_grace_s"),
+    ([f"{R}max_num_seqs=2147483648"], f"{R}max_num_seqs"),
+    ([f"{A}optim.lr=1e39"], f"{A}optim.lr"),
+    (["algorithm.overlong_buffer.length=-1"], "algorithm.overlong_buffer.length"),  # even while disabled
+    (["data.max_prompt_length=2147483600"], "data.max_prompt_length"),  # + the response: vLLM's max_model_len
 ]
 
 
@@ -244,3 +269,67 @@ def test_value_mistakes_are_caught_without_the_files(files, overrides, key):
     validate(
         load_config(cfg_path, base), 2, local_files=False
     )  # the control: the base passes without its files
+
+
+def test_a_config_path_that_is_not_a_utf8_file_is_named(cli, files, capsys):
+    """A directory given as the config, and a YAML saved in Latin-1: one line naming the path."""
+    for path, says in [
+        (files, "is a directory"),
+        (files / "latin1.yaml", "not UTF-8 text (byte 0xe9 on line 2)"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            train.main([str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and str(path) in err[0] and says in err[0], err
+
+
+@pytest.mark.parametrize("name", USER_CODE_THAT_EXITS)
+def test_a_reward_file_that_exits_at_import_is_named(cli, files, name):
+    """sys.exit(0) at import once ended the job with exit code 0 and nothing trained; argparse printed its
+    usage and exited 2 with nothing naming the file."""
+    code, lines = cli([f"worker.reward.reward_function=ROOT/{name}.py:fn"])
+    assert code == 2 and len(lines) == 1, lines
+    assert f"{files / name}.py" in lines[0] and "raised" in lines[0], lines[0]
+    if name == "argparse_at_import":  # what argparse printed, in the same line
+        assert "unrecognized arguments" in lines[0] or "error:" in lines[0], lines[0]
+
+
+def _number_keys() -> list[tuple[str, str]]:
+    """(dotted key, 'int' | 'float') of every integer and float key of the schema, optional ones included."""
+    import dataclasses
+    import typing
+
+    from spmd_grpo.config.schema import Config
+
+    out = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif tp in (int, float) or (
+                typing.get_origin(tp) is not None
+                and set(typing.get_args(tp)) in ({int, type(None)}, {float, type(None)})
+            ):
+                kind = "int" if int in (tp, *typing.get_args(tp)) else "float"
+                out.append((f"{prefix}{f.name}", kind))
+
+    walk(Config, "")
+    return out
+
+
+NUMBER_KEYS = _number_keys()
+
+
+def test_every_number_key_has_a_range(files):
+    """Each integer key refuses 10**23 and -10**23 (a C int holds neither) and each float key 1e39 (beyond
+    float32) at load, with one line naming the key: none reaches the code that would overflow on it."""
+    assert len(NUMBER_KEYS) > 40, NUMBER_KEYS  # the walk found the schema's numbers
+    cfg_path = files / "base.yaml"
+    for key, kind in NUMBER_KEYS:
+        for huge in ("100000000000000000000000", "-100000000000000000000000") if kind == "int" else ("1e39",):
+            with pytest.raises(ConfigError) as e:
+                validate(load_config(cfg_path, [f"{key}={huge}"]), 2, local_files=False)
+            assert key in str(e.value) and "\n" not in str(e.value), (key, str(e.value))

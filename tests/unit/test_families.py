@@ -52,6 +52,7 @@ def test_model_paths_resolve_offline(tmp_path):
 
 def test_an_unsupported_model_is_refused_at_config_time_naming_the_supported_ones(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
         main(["configs/smoke.yaml", f"worker.actor.model.model_path={tmp_path}"])
     assert exit_info.value.code == 2

@@ -187,6 +187,7 @@ def test_cli_refusal_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "run" / "config.yaml").write_text("{}\n")
     (tmp_path / "model").mkdir()  # the config checks want a real model directory before the run directory
     (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
     with pytest.raises(SystemExit) as e:
         main(

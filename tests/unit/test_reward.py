@@ -124,9 +124,25 @@ def test_reward_fn_exception_is_wrapped_with_batch():
     def boom(samples):
         raise KeyError("ground_truth")
 
-    with pytest.raises(RewardError, match="boom raised KeyError.*step 7 train batch.*2 samples") as info:
+    with pytest.raises(
+        RewardError, match=r"boom \(.*test_reward.py\) raised KeyError.*step 7 train batch.*2 samples"
+    ) as info:
         score_samples(boom, [sample("a", uid="p0"), sample("b", uid="p1")], batch_name="step 7 train batch")
     assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(
+    "error", [SystemExit(0), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"]
+)
+def test_a_reward_fn_that_exits_fails_the_step_naming_its_file(tmp_path, error):
+    """`SystemExit` is not an `Exception`: uncaught, sys.exit(0) in a reward function ended the job with
+    exit code 0 and nothing trained."""
+    path = tmp_path / "exits.py"
+    path.write_text("import sys\n\ndef fn(samples):\n    raise ERROR\n")
+    fn = load_reward_function(f"{path}:fn")
+    fn.__globals__["ERROR"] = error
+    with pytest.raises(RewardError, match=rf"fn \({path}\) raised {type(error).__name__}"):
+        score_samples(fn, [sample("a", uid="p0")], batch_name="step 1 train batch")
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ def test_the_cli_refuses_with_one_line_and_exit_2(holder, tmp_path):
     run, proc = holder
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')  # enough to validate
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     before = sorted(p.name for p in run.iterdir())
     start = time.monotonic()
     cli = subprocess.run(

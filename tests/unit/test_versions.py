@@ -63,6 +63,7 @@ def test_cli_stops_before_any_work(tmp_path):
     (tmp_path / "model" / "config.json").write_text(
         '{"model_type": "qwen2_5_vl"}'
     )  # the config is valid: the version stops the job
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     proc = subprocess.run(
         [sys.executable, "-m", "spmd_grpo.train", "configs/smoke.yaml", f"worker.actor.model.model_path={tmp_path / 'model'}"],
         cwd=REPO, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120,
