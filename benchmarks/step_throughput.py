@@ -168,6 +168,8 @@ def overrides(name: str, keys: set[str]) -> tuple[list[str], list[str]]:
 
 
 def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> list[dict]:
+    from spmd_grpo.config.loader import last_wins
+
     keys = known_keys()
     feature_overrides, used = overrides(name, keys)
     seq = 128 + args.max_response_length  # the smoke config's max_prompt_length + the response
@@ -182,9 +184,11 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"),
-        f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
-        f"trainer.output_dir={work}", f"trainer.experiment_name=bench_{name}",
-        *BASE, *dtype_overrides(args.dtype), *workload, *feature_overrides, *args.set,
+        *last_wins([  # --set wins over the configuration's own values
+            f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
+            f"trainer.output_dir={work}", f"trainer.experiment_name=bench_{name}",
+            *BASE, *dtype_overrides(args.dtype), *workload, *feature_overrides, *args.set,
+        ]),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(2 // ranks), "PYTHONPATH": str(REPO)}
     print(f"[benchmark] {name}: {ranks} rank(s), features on {used or '-'}", file=sys.stderr, flush=True)
@@ -332,14 +336,14 @@ def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     from spmd_grpo.actor.optimizer import build_optimizer
     from spmd_grpo.actor.spec import UpdateSpec
     from spmd_grpo.actor.update import update_policy
-    from spmd_grpo.config.loader import load_config
+    from spmd_grpo.config.loader import last_wins, load_config
     from spmd_grpo.models.build import build_policy
     from spmd_grpo.parallel.collectives import init_distributed
 
     torch.set_num_threads(2)
     overrides = [f"worker.actor.model.model_path={model_dir}", *BASE, *dtype_overrides(args.dtype)]
     overrides += [*RATIO_WORKLOAD, f"worker.actor.global_batch_size={8 * args.ratio_prompts}", *args.set]
-    cfg = load_config(REPO / "configs" / "smoke.yaml", overrides)
+    cfg = load_config(REPO / "configs" / "smoke.yaml", last_wins(overrides))
     world = init_distributed("cpu")
     torch.manual_seed(0)
     policy = build_policy(cfg.worker.actor, world)

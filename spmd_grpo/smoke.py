@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from spmd_grpo.config.loader import load_config
+from spmd_grpo.config.loader import last_wins, load_config
 from spmd_grpo.telemetry.report import write_report
 from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     model_dir = cached_tiny_model(args.cache, TinyModelSpec(seed=0))
-    overrides = [f"worker.actor.model.model_path={model_dir}", *args.overrides]
+    overrides = last_wins([f"worker.actor.model.model_path={model_dir}", *args.overrides])  # the user's win
     cfg = load_config(args.config, overrides)
     metrics_path = cfg.run_dir / "metrics.jsonl"
     if metrics_path.exists():

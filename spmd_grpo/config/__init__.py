@@ -43,6 +43,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ),
         "loader": (
             "load_config",
+            "last_wins",
             "to_dict",
             "dump_yaml",
         ),

@@ -1,7 +1,9 @@
 """Loading a config: YAML file + dotted command-line overrides -> the frozen `Config` dataclasses.
 
 Strict where a typo would otherwise be silent: a key repeated in one YAML mapping is refused (file and both
-lines named), an unknown key is refused with its full dotted name and the closest valid key, a value of the
+lines named), and so is a key set twice on the command line; a mapping given to a section on the command line
+(`worker.actor.optim={weight_decay: 0.0}`) merges into it, as Hydra/OmegaConf merge (a non-mapping, `null`
+included, is refused for a section); an unknown key is refused with its full dotted name and the closest valid key, a value of the
 wrong type names the key and the expected type, floats must be finite and within float32, integers within
 a C int (checks.py says why). `to_dict` / `dump_yaml` write the
 resolved config back (next to the run's logs and into every checkpoint).
@@ -45,16 +47,39 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file {path} is not readable: {e.strerror}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    given: dict[str, str] = {}  # dotted key -> the override that set it
     for item in overrides:
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         try:
             parsed = yaml.load(value, Loader=_StrictLoader) if value.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: value {value!r} is not valid YAML: {_one_line(e)}") from None
-        _set_dotted(raw, key.strip(), parsed)
+        if parsed is None and dataclasses.is_dataclass(_schema_type(key)):  # would reset it to defaults
+            raise ConfigError(
+                f"override {key}: {key} is a section: give it a mapping ({key}={{key: value}}) or set its keys "
+                f"one by one ({key}.key=value), not null"
+            )
+        for leaf in _leaves(key, parsed):
+            if leaf in given:
+                raise ConfigError(
+                    f"command line: {leaf} is set twice ({given[leaf]!r}, then {item!r}); a key may be "
+                    "given once, as in a YAML section"
+                )
+            given[leaf] = item
+        _set_dotted(raw, key, parsed)
     return _build(Config, raw, prefix="")
+
+
+def last_wins(overrides: list[str]) -> list[str]:
+    """For programs that compose overrides (defaults, then what their user gave): each key once, with its
+    last value, where it first appeared. `load_config` refuses a key given twice, as YAML does."""
+    by_key: dict[str, str] = {}
+    for item in overrides:
+        by_key[item.partition("=")[0].strip()] = item
+    return list(by_key.values())
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -90,7 +115,26 @@ def _one_line(error: yaml.YAMLError) -> str:
     return " ".join(str(error).split())
 
 
+def _schema_type(dotted: str) -> Any:
+    """The schema type at `dotted` (a section's dataclass, a leaf's annotation); None for an unknown key."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = _type_hints(tp).get(part)
+    return tp
+
+
+def _leaves(dotted: str, value: Any) -> list[str]:
+    """The dotted keys an override sets: its own, or those of the mapping it gives a section."""
+    if not isinstance(value, dict):
+        return [dotted]
+    return [leaf for k, v in value.items() for leaf in _leaves(f"{dotted}.{k}", v)]
+
+
 def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    """Set `dotted` in `raw`; a mapping merges into the section already there (the keys it does not name
+    keep their YAML or earlier values: replacing the section silently reset them to the defaults)."""
     node = raw
     parts = dotted.split(".")
     for part in parts[:-1]:
@@ -98,7 +142,15 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted}: {part} is not a section")
         node = child
-    node[parts[-1]] = value
+    _merge(node, parts[-1], value)
+
+
+def _merge(node: dict, key: Any, value: Any) -> None:
+    if isinstance(value, dict) and isinstance(node.get(key), dict):
+        for k, v in value.items():
+            _merge(node[key], k, v)
+    else:
+        node[key] = value
 
 
 @functools.cache

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+from spmd_grpo.config.loader import last_wins
 from tests.conftest import REPO, torchrun
 
 # Figures that depend on wall time or memory, not on the computation.
@@ -23,13 +24,13 @@ VOLATILE = ("timing_s/", "perf/")
 
 
 def _args(model, out, name, max_steps, *extra, entry=("-m", "spmd_grpo.train")):
-    return [
-        *entry, "configs/smoke.yaml", f"worker.actor.model.model_path={model}",
+    return [*entry, "configs/smoke.yaml", *last_wins([  # `extra` may change a key set here
+        f"worker.actor.model.model_path={model}",
         f"trainer.output_dir={out}", f"trainer.experiment_name={name}", f"trainer.max_steps={max_steps}",
         "trainer.save_freq=1", "trainer.val_before_train=false", "trainer.val_freq=-1",
         "data.rollout_batch_size=4", "worker.rollout.n=4", "worker.actor.global_batch_size=8",
         "worker.actor.micro_batch_size_per_device_for_update=2", *extra,
-    ]  # fmt: skip
+    ])]  # fmt: skip
 
 
 def _metrics(run):

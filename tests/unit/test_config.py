@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from spmd_grpo.config.checks import ConfigError
-from spmd_grpo.config.loader import load_config
+from spmd_grpo.config.loader import last_wins, load_config
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import validate
+from spmd_grpo.config.workers import OptimConfig
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["worker.actor.model.model_path=/models/x"]
@@ -39,6 +40,49 @@ def test_yaml_then_override(tmp_path):
     )
     cfg = load_config(path, ["worker.rollout.n=2"])
     assert cfg.worker.rollout.n == 2 and cfg.worker.actor.model.model_path == "m"
+
+
+def test_a_mapping_override_merges_into_its_section(tmp_path):
+    """`section={key: value}` sets those keys only: the YAML's lr and an earlier override of the section
+    stay (it once replaced the whole section, silently resetting lr to the default)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("worker:\n  actor:\n    optim:\n      lr: 3.0e-5\n")
+    cfg = load_config(path, ["worker.actor.optim.betas=[0.8,0.9]", "worker.actor.optim={weight_decay: 0.0}"])
+    assert cfg.worker.actor.optim == dataclasses.replace(
+        OptimConfig(), lr=3e-5, betas=(0.8, 0.9), weight_decay=0.0
+    )
+    nested = load_config(path, ["worker.actor={optim: {min_lr_ratio: 0.5}, ppo_epochs: 2}"])
+    assert nested.worker.actor.optim.lr == 3e-5 and nested.worker.actor.optim.min_lr_ratio == 0.5
+    assert nested.worker.actor.ppo_epochs == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["worker.rollout.n=2", "worker.rollout.n=4"],
+            "command line: worker.rollout.n is set twice ('worker.rollout.n=2', then 'worker.rollout.n=4'); "
+            "a key may be given once, as in a YAML section",
+        ),
+        (  # the same key inside a mapping
+            ["worker.actor.optim.lr=1e-5", "worker.actor={optim: {lr: 2e-5}}"],
+            "command line: worker.actor.optim.lr is set twice",
+        ),
+        (
+            ["worker.actor.optim=null"],
+            "override worker.actor.optim: worker.actor.optim is a section: give it a mapping",
+        ),
+    ],
+)
+def test_the_command_line_refuses_a_key_twice_as_yaml_does(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_last_wins_is_how_programs_compose_overrides():
+    composed = last_wins(["a.b=1", "c=2", "a.b=3"])
+    assert composed == ["a.b=3", "c=2"]
 
 
 @pytest.mark.parametrize(

@@ -218,6 +218,9 @@ VALUE_ROWS = [
     ([f"{T}experiment_name="], f"{T}experiment_name"),
     ([f"{T}val_generations_to_log=-1"], f"{T}val_generations_to_log"),
     ([f"{T}val_freq=5", "data.val_files=null"], f"{T}val_freq"),  # validation without a validation set
+    # the command line as strict as YAML
+    ([f"{A}optim.lr=1e-5", f"{A}optim.lr=2e-5"], f"{A}optim.lr"),
+    ([f"{A}optim=null"], f"{A}optim"),
     # numbers beyond where they go (see test_every_number_key_has_a_range for all of them)
     (["data.seed=100000000000000000000000"], "data.seed"),
     ([f"{T}seed=4294967296"], f"{T}seed"),
