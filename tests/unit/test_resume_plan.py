@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from spmd_grpo.config.checks import ConfigError
-from spmd_grpo.config.loader import dump_yaml, load_config
+from spmd_grpo.config.loader import dump_yaml, last_wins, load_config
 from spmd_grpo.run.start import (
     MEANING_CHANGING,
     ConfigChange,
@@ -34,7 +34,7 @@ def _quiet_dcp():
 
 
 def _cfg(tmp_path: Path, *overrides: str):
-    return load_config(None, [*BASE, f"trainer.output_dir={tmp_path}", *overrides])
+    return load_config(None, last_wins([*BASE, f"trainer.output_dir={tmp_path}", *overrides]))
 
 
 def _tree(path: Path) -> dict[str, bytes]:
@@ -193,8 +193,7 @@ def test_cli_refusal_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
         main(
             [
                 str(smoke),
-                *BASE,
-                f"worker.actor.model.model_path={tmp_path / 'model'}",
+                *last_wins([*BASE, f"worker.actor.model.model_path={tmp_path / 'model'}"]),
                 f"trainer.output_dir={tmp_path}",
                 "trainer.resume=none",
             ]
