@@ -60,6 +60,7 @@ from spmd_grpo.rollout.engine import RolloutEngine
 from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, generate
 from spmd_grpo.rollout.validation import VAL_SEED_OFFSET, validate
 from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
+from spmd_grpo.run.lineage import abandon_branch, agree_on_start
 from spmd_grpo.run.start import StartPlan, plain_config, plan_start, write_run_config
 from spmd_grpo.telemetry.loggers import Loggers, build_loggers, setup_logging
 from spmd_grpo.telemetry.metrics import Timer, perf_metrics, sample_metrics
@@ -389,6 +390,7 @@ def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     setup_logging(cfg.run_dir, world)
+    plan = agree_on_start(plan, world)  # rank 0 decides what every rank resumes
     if world.is_main:
         from spmd_grpo.config.versions import check_versions, version_line
 
@@ -403,5 +405,6 @@ def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
             log.warning("untested: %s", problem)
         for line in plan.lines():
             log.info(line)
+    abandon_branch(plan, world)  # a resume from an earlier checkpoint leaves the later ones aside
     D.seed_everything(cfg.trainer.seed)
     Trainer(cfg, world, plan, stop).train()

@@ -2,6 +2,7 @@
 
     checkpoint.py  sharded DCP checkpoints with LR schedule, RNG and trainer state; completeness checks
     start.py       `plan_start`: new run or resume, and which config changes a resume accepts
+    lineage.py     a resume from an earlier checkpoint sets the later ones (an abandoned branch) aside
     lock.py        one job per run directory: an exclusive lock rank 0 holds for the job's life
     export.py      `python -m spmd_grpo.export CKPT OUT`: a checkpoint as a Hugging Face model directory
 
@@ -25,6 +26,14 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "damaged_parts",
             "find_checkpoint",
             "load_checkpoint",
+            "step_of",
+            "write_atomic",
+        ),
+        "lineage": (
+            "ABANDONED",
+            "later_checkpoints",
+            "agree_on_start",
+            "abandon_branch",
         ),
         "export": (
             "DTYPES",

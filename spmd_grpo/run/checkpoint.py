@@ -87,7 +87,8 @@ def missing_parts(path: Path) -> list[str]:
     return missing
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
+    """N of a `global_step_N` directory; None for any other name (`.tmp` included)."""
     m = _STEP_DIR.fullmatch(path.name)
     return int(m.group(1)) if m else None
 
@@ -98,7 +99,7 @@ def complete_checkpoints(ckpt_root: Path) -> dict[int, Path]:
         return {}
     out = {}
     for p in ckpt_root.iterdir():
-        step = _step_of(p)
+        step = step_of(p)
         if step is not None and p.is_dir() and (p / TRAINER_STATE).is_file():
             out[step] = p
     return out
@@ -113,7 +114,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Write `path` so that readers see either the old or the new content, never a torn file."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -203,7 +204,7 @@ def save_checkpoint(
     barrier()  # every rank's files are on disk
 
     if world.is_main:
-        _write_atomic(tmp / TRAINER_STATE, state_json)
+        write_atomic(tmp / TRAINER_STATE, state_json)
         if final.exists():  # a complete checkpoint of the same step (e.g. a rerun): move it aside first
             stale = root / f"global_step_{step}.old.tmp"
             if stale.exists():
@@ -214,7 +215,7 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
-        _write_atomic(root / LATEST, final.name)
+        write_atomic(root / LATEST, final.name)
         _prune(root, keep=final, save_limit=save_limit)
         log.info("saved checkpoint %s", final)
     barrier()

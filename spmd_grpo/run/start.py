@@ -15,8 +15,10 @@ The run directory (`<trainer.output_dir>/<trainer.experiment_name>`) HOLDS A RUN
           error: restarting would silently drop the run's progress. An empty directory: a new run.
     none  a new run: an error, naming the directory and the options, if the directory holds a run. A new
           run never appends to or overwrites another run's metrics, config or checkpoints.
-    PATH  that checkpoint: one of this run's (under `<run dir>/checkpoints/`: the run goes back to it), or
-          another run's when this directory holds no run yet (a new run that starts from its state).
+    PATH  that checkpoint: one of this run's (under `<run dir>/checkpoints/`: the run goes back to it, and
+          its later checkpoints, an abandoned branch, are moved to `<run dir>/abandoned/` before training:
+          run/lineage.py), or another run's when this directory holds no run yet (a new run that starts from
+          its state).
 
 The config diff. The saved config is the checkpoint's `config.yaml` (written with every checkpoint), else
 (checkpoints saved before that) the `config.yaml` of the checkpoint's run directory, else, with no
@@ -63,6 +65,7 @@ from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import dump_yaml, to_dict
 from spmd_grpo.config.schema import Config
 from spmd_grpo.run.checkpoint import CHECKPOINTS, CONFIG, complete_checkpoints, find_checkpoint
+from spmd_grpo.run.lineage import later_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,9 @@ class StartPlan:
     """The saved config file the diff read (None: a new run, or nothing saved to compare with)."""
     restart: bool = False
     """The directory holds a run without a checkpoint to resume: it starts over at step 0."""
+    abandoned: tuple[Path, ...] = ()
+    """This run's checkpoints after the resumed one: a branch left behind, moved aside before training
+    (run/lineage.py)."""
 
     @property
     def reset_data_position(self) -> bool:
@@ -157,6 +163,11 @@ class StartPlan:
         elif self.checkpoint is not None:
             head += " (no saved config to compare with: changes are not checked)"
         lines = [head, *(f"resume: {c}" for c in self.changes)]
+        if self.abandoned:
+            lines.append(
+                f"resume: {', '.join(p.name for p in self.abandoned)} of the old branch are set aside "
+                f"(to {self.run_dir / 'abandoned'}): trainer.resume=auto continues from {self.checkpoint.name}"
+            )
         if self.reset_data_position:
             lines.append(
                 "resume: the saved data position is dropped (the data changed): sampling starts over"
@@ -224,14 +235,18 @@ def plan_start(cfg: Config) -> StartPlan:
             )
         return StartPlan(run_dir, None)
     checkpoint = _checkpoint_to_resume(run_dir, mode, records)
+    abandoned = later_checkpoints(run_dir, checkpoint) if checkpoint is not None else ()
     saved_file = _saved_config_file(run_dir, checkpoint)
     if saved_file is None:
-        return StartPlan(run_dir, checkpoint, restart=checkpoint is None and bool(records))
+        restart = checkpoint is None and bool(records)
+        return StartPlan(run_dir, checkpoint, restart=restart, abandoned=abandoned)
     changes = diff_configs(_read_config(saved_file), new)
     refused = meaning_changes(changes, cfg.trainer.allow_config_change)
     if refused:
         raise ConfigError(_refusal(run_dir, checkpoint, saved_file, refused))
-    return StartPlan(run_dir, checkpoint, tuple(changes), saved_file, restart=checkpoint is None)
+    return StartPlan(
+        run_dir, checkpoint, tuple(changes), saved_file, restart=checkpoint is None, abandoned=abandoned
+    )
 
 
 def _check_allow_list(allowed: tuple[str, ...], known: dict[str, Any]) -> None:

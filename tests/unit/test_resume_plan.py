@@ -5,6 +5,7 @@ checkpoints are all damaged is not silently restarted; the CLI turns each refusa
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import dump_yaml, last_wins, load_config
+from spmd_grpo.run.lineage import abandon_branch, agree_on_start
 from spmd_grpo.run.start import (
     MEANING_CHANGING,
     ConfigChange,
@@ -20,8 +22,9 @@ from spmd_grpo.run.start import (
     plain_config,
     plan_start,
 )
+from spmd_grpo.telemetry.loggers import JsonlLogger
 from spmd_grpo.train import main
-from tests.conftest import fake_checkpoint
+from tests.conftest import ONE_CPU_RANK, fake_checkpoint
 
 BASE = ["worker.actor.model.model_path=/models/x", "trainer.experiment_name=run"]
 
@@ -205,3 +208,53 @@ def test_cli_refusal_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
 
 def test_config_change_str():
     assert str(ConfigChange("a.b", [1, 2], None)) == "a.b [1, 2] -> null"
+
+
+# ------------------------------------------------------------------------------------------------ lineage
+def test_resuming_an_earlier_checkpoint_sets_the_later_branch_aside_and_auto_then_follows_it(tmp_path):
+    """Steps 1..4 saved at 2 and 4; resume from global_step_2 by path: global_step_4 (and a damaged 5) are
+    an abandoned branch, moved aside, not deleted; the rows of steps 3..4 leave metrics.jsonl. The new branch
+    trains 3 and saves it; `auto` then continues from the new 3, not the old 4, and metrics hold 1, 2, 3 once."""
+    run = tmp_path / "run"
+    for step in (2, 4, 5):
+        fake_checkpoint(run, step)
+    (run / "checkpoints" / "global_step_5" / "scheduler.pt").unlink()  # damaged: also after the resumed one
+    (run / "checkpoints" / "latest").write_text("global_step_5")
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 6)))
+
+    plan = plan_start(_cfg(tmp_path, f"trainer.resume={run / 'checkpoints' / 'global_step_2'}"))
+    assert [p.name for p in plan.abandoned] == ["global_step_4", "global_step_5"]
+    assert "global_step_4, global_step_5 of the old branch are set aside" in plan.lines()[-1]
+    moved_to = abandon_branch(agree_on_start(plan, ONE_CPU_RANK), ONE_CPU_RANK)
+    assert moved_to == run / "abandoned" / "after_step_2"
+    assert sorted(p.name for p in moved_to.iterdir()) == ["global_step_4", "global_step_5"]
+    assert (moved_to / "global_step_4" / "trainer_state.json").is_file()  # kept whole
+    assert (run / "checkpoints" / "latest").read_text() == "global_step_2"
+    JsonlLogger(run, start_step=2)  # what the resumed run's loggers do
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3}\n')
+    fake_checkpoint(run, 3)
+
+    again = plan_start(_cfg(tmp_path, "trainer.resume=auto"))
+    assert again.checkpoint == run / "checkpoints" / "global_step_3" and again.abandoned == ()
+    JsonlLogger(run, start_step=3)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    rolled = (run / "metrics.rolledback.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in rolled] == [3, 4, 5]
+
+    # A second detour from the same step keeps the first abandoned branch: a new directory beside it.
+    fake_checkpoint(run, 4)
+    plan = plan_start(_cfg(tmp_path, f"trainer.resume={run / 'checkpoints' / 'global_step_2'}"))
+    assert abandon_branch(plan, ONE_CPU_RANK) == run / "abandoned" / "after_step_2.1"
+    assert (moved_to / "global_step_4").is_dir()
+
+
+def test_auto_and_another_runs_checkpoint_abandon_nothing(tmp_path):
+    run = tmp_path / "run"
+    for step in (1, 2):
+        fake_checkpoint(run, step)
+    assert plan_start(_cfg(tmp_path, "trainer.resume=auto")).abandoned == ()
+    other = fake_checkpoint(tmp_path / "other", 1)
+    plan = plan_start(_cfg(tmp_path, "trainer.experiment_name=fork", f"trainer.resume={other}"))
+    assert plan.checkpoint == other and plan.abandoned == ()
