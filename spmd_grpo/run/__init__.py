@@ -2,6 +2,7 @@
 
     checkpoint.py  sharded DCP checkpoints with LR schedule, RNG and trainer state; completeness checks
     start.py       `plan_start`: new run or resume, and which config changes a resume accepts
+    manifest.py    size and CRC-32 of every checkpoint file, written at save and verified before a resume
     lineage.py     a resume from an earlier checkpoint sets the later ones (an abandoned branch) aside
     lock.py        one job per run directory: an exclusive lock rank 0 holds for the job's life
     export.py      `python -m spmd_grpo.export CKPT OUT`: a checkpoint as a Hugging Face model directory
@@ -28,6 +29,13 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "load_checkpoint",
             "step_of",
             "write_atomic",
+        ),
+        "manifest": (
+            "MANIFEST",
+            "file_crc32",
+            "file_entries",
+            "write_manifest",
+            "verify_manifest",
         ),
         "lineage": (
             "ABANDONED",

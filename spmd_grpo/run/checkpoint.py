@@ -9,12 +9,15 @@ Layout of `<run_dir>/checkpoints/`:
         rng/rank{r}.pt                python `random`, numpy, torch CPU and accelerator RNG of rank r
         config.yaml                   the resolved config the run had when it saved (rank 0; what a resume
                                       compares its config with: start.py)
+        manifest.json                 size and CRC-32 of every file above (manifest.py), written before:
         trainer_state.json            the caller's trainer state + `step`, `world_size`, `model_path`
     latest                            name of the newest checkpoint directory (written atomically)
 
 Completeness rule: a checkpoint directory is COMPLETE iff its name is `global_step_{N}` (no `.tmp` suffix) and
 it contains `trainer_state.json`. That file is written last, after DCP's `.metadata` (itself written only once
-every rank's shards are on disk), the scheduler, the config and every rank's RNG file.
+every rank's shards are on disk), the scheduler, the config, every rank's RNG file and the manifest. A
+complete checkpoint is DAMAGED (`damaged_parts`) when a file is unreadable, missing, or differs from the
+manifest; `find_checkpoint` names the file and takes the previous checkpoint.
 
 Crash safety: everything is written into `global_step_{N}.tmp/` and renamed by rank 0 once complete, then
 `latest` is replaced atomically (write `latest.tmp`, fsync, `os.replace`). A kill during a save leaves only a
@@ -55,8 +58,9 @@ import yaml
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from spmd_grpo.parallel.collectives import World, barrier
+from spmd_grpo.parallel.collectives import World, all_gather_objects, barrier
 from spmd_grpo.parallel.devices import device_module
+from spmd_grpo.run.manifest import file_entries, verify_manifest, write_manifest
 
 if TYPE_CHECKING:
     from spmd_grpo.actor.optimizer import OptimizerBundle
@@ -194,16 +198,11 @@ def save_checkpoint(
         (tmp / "rng").mkdir(parents=True)
     barrier()
 
-    model_sd, optim_sd = get_state_dict(policy, optim.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # .metadata written last
-    torch.save(_rng_state(world), tmp / "rng" / f"rank{world.rank}.pt")
-    if world.is_main:
-        torch.save(optim.scheduler.state_dict(), tmp / SCHEDULER)
-        if config is not None:
-            (tmp / CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
-    barrier()  # every rank's files are on disk
+    written = _write_files(tmp, policy, optim, world, config)
+    entries = all_gather_objects(file_entries(tmp, written))  # also: every rank's files are on disk
 
     if world.is_main:
+        write_manifest(tmp, {name: e for rank_entries in entries for name, e in rank_entries.items()})
         write_atomic(tmp / TRAINER_STATE, state_json)
         if final.exists():  # a complete checkpoint of the same step (e.g. a rerun): move it aside first
             stale = root / f"global_step_{step}.old.tmp"
@@ -222,6 +221,24 @@ def save_checkpoint(
     return final
 
 
+def _write_files(
+    tmp: Path, policy: nn.Module, optim: OptimizerBundle, world: World, config: dict | None
+) -> list[str]:
+    """This rank's share of the checkpoint (DCP shards, RNG; rank 0: the scheduler and config too); returns
+    the names it wrote, which it checksums for the manifest."""
+    model_sd, optim_sd = get_state_dict(policy, optim.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # .metadata written last
+    written = [f"rng/rank{world.rank}.pt", *(p.name for p in tmp.glob(f"__{world.rank}_*.distcp"))]
+    torch.save(_rng_state(world), tmp / written[0])
+    if world.is_main:
+        torch.save(optim.scheduler.state_dict(), tmp / SCHEDULER)
+        written += [".metadata", SCHEDULER]
+        if config is not None:
+            (tmp / CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+            written.append(CONFIG)
+    return written
+
+
 def _prune(root: Path, keep: Path, save_limit: int) -> None:
     if save_limit <= 0:
         return
@@ -236,17 +253,22 @@ def _prune(root: Path, keep: Path, save_limit: int) -> None:
             excess -= 1
 
 
-def damaged_parts(path: Path) -> list[str]:
+def damaged_parts(path: Path, *, checksums: bool = True) -> list[str]:
     """What makes a complete-looking checkpoint unusable, each naming its file: an unreadable
-    trainer_state.json or DCP .metadata, a shard file shorter than the metadata says (a truncated copy, a
-    full disk), a missing scheduler. Reads headers and file sizes only, never the tensors."""
+    trainer_state.json or DCP .metadata, a file of the manifest missing, of another size or (`checksums`)
+    another CRC-32 (manifest.py), a shard file shorter than the metadata says, a missing scheduler or RNG
+    file of a rank. Without `checksums` it reads headers and file sizes only, never the tensors."""
     problems = []
     try:
-        json.loads((path / TRAINER_STATE).read_text())
-    except (OSError, ValueError) as e:
+        saved_world = json.loads((path / TRAINER_STATE).read_text()).get("world_size", 0)
+    except (OSError, ValueError, AttributeError) as e:
         problems.append(f"{path / TRAINER_STATE}: not readable JSON ({e})")
-    if not (path / SCHEDULER).is_file():
-        problems.append(f"{path / SCHEDULER}: missing")
+        saved_world = 0
+    manifest = verify_manifest(path, checksums=checksums)
+    problems += manifest or []
+    expected = [SCHEDULER] if manifest is None else []  # the manifest lists these (checked above)
+    expected += [f"rng/rank{r}.pt" for r in range(saved_world if manifest is None else 0)]
+    problems += [f"{path / name}: missing" for name in expected if not (path / name).is_file()]
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a torn pickle raises anything from EOFError to UnpicklingError
@@ -263,10 +285,11 @@ def damaged_parts(path: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ find
-def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
+def find_checkpoint(run_dir: Path, resume: str, *, checksums: bool = True) -> Path | None:
     """The checkpoint to resume from: `none` -> None; `auto` -> the newest complete, undamaged one under
     `<run_dir>/checkpoints` (None if there is none; damaged ones are reported by file and skipped, so the
-    previous checkpoint is used); anything else -> that directory, which must be complete and undamaged."""
+    previous checkpoint is used); anything else -> that directory, which must be complete and undamaged.
+    `checksums`: verify the manifest's CRC-32s too (reads every byte), not only its sizes."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -274,7 +297,7 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
         missing = missing_parts(path)
         if missing:
             raise ValueError(f"resume={resume!r} is not a complete checkpoint: missing {', '.join(missing)}")
-        damage = damaged_parts(path)
+        damage = damaged_parts(path, checksums=checksums)
         if damage:
             raise ValueError(f"resume={resume!r} is damaged: {'; '.join(damage)}")
         return path
@@ -289,7 +312,7 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
                 "ignoring incomplete checkpoint %s (missing %s)", p, ", ".join(missing_parts(p)) or "?"
             )
     for step in sorted(complete, reverse=True):
-        damage = damaged_parts(complete[step])
+        damage = damaged_parts(complete[step], checksums=checksums)
         if damage:
             log.warning("skipping damaged checkpoint %s: %s", complete[step], "; ".join(damage))
             del complete[step]
@@ -340,13 +363,11 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
     saved_world = state.get("world_size")
     if saved_world == world.world_size and rng_file.is_file():
         _set_rng_state(_load_data(rng_file), world)
-    elif world.is_main:
-        why = (
-            f"it was saved at world size {saved_world}, this run has {world.world_size}"
-            if saved_world != world.world_size
-            else f"{rng_file} is missing"
-        )
+    elif saved_world != world.world_size and world.is_main:
+        why = f"it was saved at world size {saved_world}, this run has {world.world_size}"
         log.warning("RNG streams restart from the seed (not restored from %s): %s", path, why)
+    elif saved_world == world.world_size:  # damaged_parts refuses this; said by the rank it concerns
+        log.warning("rank %d: RNG streams restart from the seed: %s is missing", world.rank, rng_file)
     log.info("resumed from %s (step %s)", path, state.get("step"))
     return state
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,9 +257,12 @@ def _check_allow_list(allowed: tuple[str, ...], known: dict[str, Any]) -> None:
 
 
 def _checkpoint_to_resume(run_dir: Path, mode: str, records: list[str]) -> Path | None:
+    """The checkpoint `mode` names. Rank 0 verifies the manifests' checksums (every byte read once per job);
+    the other ranks their sizes, and follow rank 0's choice (lineage.agree_on_start)."""
     root = run_dir / CHECKPOINTS
+    checksums = int(os.environ.get("RANK", "0")) == 0
     if mode == "auto":
-        checkpoint = find_checkpoint(run_dir, "auto")  # logs the incomplete and damaged ones by file
+        checkpoint = find_checkpoint(run_dir, "auto", checksums=checksums)  # names incomplete/damaged ones
         if checkpoint is None and complete_checkpoints(root):
             raise ConfigError(
                 f"every checkpoint in {root} is damaged (each named in the warnings above) and restarting "
@@ -266,7 +270,7 @@ def _checkpoint_to_resume(run_dir: Path, mode: str, records: list[str]) -> Path 
                 "it, move them aside to restart the run, or pick another trainer.experiment_name for a new run"
             )
         return checkpoint
-    checkpoint = find_checkpoint(run_dir, mode)  # ValueError naming the missing or damaged file
+    checkpoint = find_checkpoint(run_dir, mode, checksums=checksums)  # ValueError naming the damage
     ours = checkpoint.resolve().parent == root.resolve()
     if records and not ours:
         raise ConfigError(

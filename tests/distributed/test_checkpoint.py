@@ -3,9 +3,13 @@ size, resharded resume at another one. The job is tests/jobs/checkpoint_roundtri
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
+from spmd_grpo.run.checkpoint import damaged_parts
 from tests.conftest import CHECKPOINT_JOB, torchrun
 
 
@@ -43,6 +47,14 @@ def test_saved_directory_layout(saved):
     files = {p.relative_to(root / "global_step_2").as_posix() for p in (root / "global_step_2").rglob("*")}
     assert {".metadata", "scheduler.pt", "trainer_state.json", "rng/rank0.pt", "rng/rank1.pt"} <= files
     assert sum(f.endswith(".distcp") for f in files) == 2  # one shard file per rank
+    # The manifest lists every file both ranks wrote (each checksummed its own), and they match it.
+    ckpt = root / "global_step_2"
+    listed = set(json.loads((ckpt / "manifest.json").read_text())["files"])
+    assert listed == {f for f in files if (ckpt / f).is_file()} - {"trainer_state.json", "manifest.json"}
+    assert damaged_parts(ckpt) == []
+    copy = shutil.copytree(ckpt, work / "damaged" / "checkpoints" / "global_step_2")
+    (copy / "rng" / "rank1.pt").unlink()  # rank 1's RNG file: named, not passed over
+    assert damaged_parts(copy) == [f"{copy / 'rng' / 'rank1.pt'}: missing"]
 
 
 def test_resume_same_world_continues_exactly(saved, tiny_untied):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import warnings
+import zlib
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,14 @@ import torch
 from torch import nn
 
 from spmd_grpo.actor.optimizer import OptimizerBundle
-from spmd_grpo.run.checkpoint import find_checkpoint, load_checkpoint, missing_parts, save_checkpoint
+from spmd_grpo.run.checkpoint import (
+    damaged_parts,
+    find_checkpoint,
+    load_checkpoint,
+    missing_parts,
+    save_checkpoint,
+)
+from spmd_grpo.run.manifest import file_crc32
 from tests.conftest import ONE_CPU_RANK, fake_checkpoint
 
 
@@ -183,14 +192,38 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused(tmp_path, victim):
         load_checkpoint(path, policy=model, optim=optim, world=ONE_CPU_RANK)
 
 
-@pytest.mark.parametrize("damage", ["truncated shard", "bad json", "torn metadata"])
+DAMAGES = [
+    "truncated shard",
+    "bad json",
+    "torn metadata",
+    "flipped byte",
+    "scheduler rewritten",
+    "no rng file",
+]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, damage, caplog):
     model, optim = make_bundle(0)
     for step in (1, 2):
         train(model, optim, 1)
         save(model, optim, tmp_path, step)
     newest = tmp_path / "checkpoints" / "global_step_2"
-    if damage == "truncated shard":
+    assert damaged_parts(newest) == []  # the control: as saved, its manifest matches
+    if damage == "flipped byte":  # same size: only the checksum sees it
+        shard = next(newest.glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        culprit = shard.name
+        assert find_checkpoint(tmp_path, "auto", checksums=False) == newest  # sizes alone pass it
+    elif damage == "scheduler rewritten":
+        torch.save({"other": torch.zeros(100)}, newest / "scheduler.pt")
+        culprit = "scheduler.pt"
+    elif damage == "no rng file":
+        (newest / "rng" / "rank0.pt").unlink()
+        culprit = "rng/rank0.pt"
+    elif damage == "truncated shard":
         shard = next(newest.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[:10])
         culprit = shard.name
@@ -244,3 +277,21 @@ def test_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp_p
         assert torch.equal(optim.optimizer.state[p]["exp_avg_sq"], opt.state[q]["exp_avg_sq"])
     train(fresh, bundle, 1)  # the schedule continues from the saved position with the new base lr
     assert group["lr"] == pytest.approx(0.05 / 5)
+
+
+def test_a_missing_rng_file_of_another_rank_is_named_without_a_manifest(tmp_path):
+    """A checkpoint saved at world 2 before manifests existed: rank 1's RNG file missing is damage, named."""
+    ckpt = fake_checkpoint(tmp_path, 3, state={"step": 3, "world_size": 2})
+    (ckpt / "rng").mkdir()
+    torch.save({}, ckpt / "rng" / "rank0.pt")
+    assert damaged_parts(ckpt) == [f"{ckpt / 'rng' / 'rank1.pt'}: missing"]
+    torch.save({}, ckpt / "rng" / "rank1.pt")
+    assert damaged_parts(ckpt) == []
+
+
+def test_crc32_of_a_file_is_zlibs_over_its_bytes(tmp_path):
+    """Chunked reading gives the one-shot CRC (a file larger than one chunk, and an empty one)."""
+    data = os.urandom((16 << 20) + 12345)
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "e").write_bytes(b"")
+    assert file_crc32(tmp_path / "f") == zlib.crc32(data) and file_crc32(tmp_path / "e") == 0

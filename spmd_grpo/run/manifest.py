@@ -1,0 +1,80 @@
+"""A checkpoint's manifest: the size and CRC-32 of every file it holds, written at save, verified before resume.
+
+A checkpoint file that is truncated or corrupted but present (a copy cut short, a flipped byte in a shard, a
+scheduler state overwritten) looked complete and failed at load, or loaded wrong numbers silently. At save
+every rank checksums the files it wrote (its DCP shards and RNG file; rank 0 also `.metadata`, the scheduler
+and the config) right after writing them, while they are still in the page cache; rank 0 gathers the entries
+and writes `manifest.json` before `trainer_state.json`, so a complete checkpoint always has one.
+
+`verify_manifest` names every listed file that is missing, has another size, or (with `checksums`) another
+CRC-32. Sizes cost a `stat` per file; checksums read every byte. `run.start.plan_start` checks sizes on every
+rank and checksums on rank 0 only, whose choice every rank then follows (run/lineage.py `agree_on_start`):
+one full read of the checkpoint per job, not one per rank.
+
+CRC-32 (`zlib.crc32`, read in 16 MiB chunks) detects every burst error up to 32 bits and random damage
+with probability 1 - 2**-32; it is not a defence against deliberate tampering (nor is anything here: a
+checkpoint directory is trusted as much as the code that trains). It was chosen over blake2b for speed:
+6.8 GB/s in memory on this machine's CPU against 0.83 GB/s for blake2b and 1.3 GB/s for sha1, so reading
+the files, not hashing them, is what verification costs (docs/fault-tolerance.md has the measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+_CHUNK = 16 << 20
+
+
+def file_crc32(path: Path) -> int:
+    """CRC-32 of the file's bytes, read in chunks (memory stays at one chunk)."""
+    crc = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def file_entries(root: Path, names: list[str]) -> dict[str, dict[str, int | str]]:
+    """`{relative path: {"size", "crc32"}}` for the files `names` (relative to `root`)."""
+    return {
+        name: {"size": (root / name).stat().st_size, "crc32": f"{file_crc32(root / name):08x}"}
+        for name in sorted(names)
+    }
+
+
+def write_manifest(root: Path, entries: dict[str, dict[str, int | str]]) -> None:
+    """`root/manifest.json`, fsynced (it is read as the checkpoint's truth)."""
+    with open(root / MANIFEST, "w") as f:
+        json.dump({"checksum": "crc32", "files": dict(sorted(entries.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_manifest(root: Path, *, checksums: bool) -> list[str] | None:
+    """What is wrong with the files `root/manifest.json` lists, each naming its file (empty: all match);
+    None when there is no manifest (a checkpoint saved before manifests existed)."""
+    path = root / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        items = [(name, int(e["size"]), str(e["crc32"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{path}: unreadable ({type(e).__name__})"]
+    problems = []
+    for name, size, crc in items:
+        file = root / name
+        have = file.stat().st_size if file.is_file() else -1
+        if have != size:
+            problems.append(
+                f"{file}: " + ("missing" if have < 0 else f"{have} bytes, the manifest says {size}")
+            )
+        elif checksums and (got := f"{file_crc32(file):08x}") != crc:
+            problems.append(f"{file}: CRC-32 {got}, the manifest says {crc} (corrupted)")
+    return problems
