@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError
+from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError, check_hub_reachable
 from spmd_grpo.config.loader import load_config
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import env_world_size, validate
@@ -65,6 +65,14 @@ def check_reward_imports(cfg: Config) -> None:
         raise ConfigError(f"worker.reward.reward_function: {e}") from None
 
 
+def check_hub(cfg: Config) -> None:
+    """The model and tokenizer hub ids that must be downloaded: the hub must answer (seconds, not minutes)."""
+    model = cfg.worker.actor.model
+    check_hub_reachable("worker.actor.model.model_path", model.model_path)
+    if model.tokenizer_path is not None:
+        check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
+
+
 def check_family(model_path: str) -> None:
     """A model whose family is not supported stops here, naming the key and the supported families."""
     try:
@@ -87,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         validate(cfg, env_world_size())
         check_reward_imports(cfg)
+        check_hub(cfg)
         check_family(cfg.worker.actor.model.model_path)
         check_versions()
         from spmd_grpo.run.lock import lock_run_dir, name_holder

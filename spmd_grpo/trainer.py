@@ -150,7 +150,7 @@ class Trainer:
         self._start()
         last = self.state.step if self._agree_on_stop() else self.total_steps  # signalled while starting
         for step in range(self.state.step + 1, last + 1):
-            timer = Timer(self.world.device_type)
+            timer = Timer(self.world.device_type, step)
             with timer("step"):
                 samples, m = self.rollout(step, timer)
                 with timer("adv"):

@@ -30,6 +30,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "HUB_ID",
             "check_model_path",
             "check_tokenizer_dir",
+            "check_hub_reachable",
             "TOKENIZER_FILES",
             "OutOfRange",
             "C_INT_MIN",

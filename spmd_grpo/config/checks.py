@@ -120,9 +120,8 @@ def check_model_path(key: str, value: str) -> None:
         f"{key} must be an existing checkpoint directory or a hub id owner/name, got {value!r}: "
         f"{'not a directory' if path.exists() else 'no such directory'}",
     )
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
     require(
-        not offline or _hub_cache_has(value),
+        not _hub_offline() or _hub_cache_has(value),
         f"{key}: {value!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
     )
 
@@ -131,6 +130,37 @@ TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
 """What a local processor directory must hold, one group at least: a fast tokenizer's file, or the BPE files
 transformers builds the Qwen tokenizer from. Without them it fails after the config checks, on every rank,
 with advice about sentencepiece that names no file."""
+
+
+def check_hub_reachable(key: str, value: str, timeout_s: float = 5.0) -> None:
+    """A hub id missing from the local cache is downloaded at start-up, and without network huggingface_hub
+    retried for 2.5 minutes before failing. So first one TCP connection to the hub (`HF_ENDPOINT`, or the
+    HTTPS proxy that reaches it) within `timeout_s`; refused or timed out is a ConfigError naming the key.
+    Local paths, cached ids and `HF_HUB_OFFLINE=1` (checked by `check_model_path`) need no network."""
+    if not _looks_like_hub_id(value) or _hub_offline() or _hub_cache_has(value):
+        return
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urllib.parse.urlsplit(endpoint)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
+        url = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(
+            f"{key}: {value!r} is not in the local Hugging Face cache and the hub is unreachable "
+            f"({url.hostname}:{port}: {e.strerror or type(e).__name__}): download it where the hub is reachable "
+            "(huggingface-cli download), or give a local directory"
+        ) from None
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
 
 
 def check_tokenizer_dir(key: str, value: str) -> None:

@@ -44,6 +44,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "warn_if_grace_outlasts_shutdown",
             "PR_SET_PDEATHSIG",
             "exit_with_launcher",
+            "note_phase",
+            "last_phases",
         ),
     },
 )

@@ -9,6 +9,7 @@ rank whose launcher is gone exits instead of training on.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import logging
 import os
 import signal
@@ -20,6 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+# torchrun's LOCAL_WORLD_SIZE as the agent set it, read when this module is first imported (by the entry
+# point, before any engine exists): vLLM's CPU platform overwrites the variable with its tensor-parallel
+# size while building the engine, after which `_local_rank_gone` compared the live workers with 1 and never
+# saw a sibling missing (the survivors of a dead rank then waited out the whole grace period).
+_LAUNCHER_LOCAL_WORLD_SIZE = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 # ------------------------------------------------------------------------------------- stop and exit
@@ -101,7 +108,7 @@ def _local_rank_gone() -> bool:
         except (OSError, IndexError, ValueError):
             continue  # a process that ended while we looked
         alive += int(ppid) == agent and state != "Z"
-    return alive < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return alive < _LAUNCHER_LOCAL_WORLD_SIZE
 
 
 def _ignore_in_main_thread(signum: int, frame: object) -> None:
@@ -113,15 +120,74 @@ def exit_promptly(main: Callable[[], None]) -> None:
 
     A plain exception would go through interpreter shutdown, which can hang on non-daemon threads (vLLM's)
     or block in a collective with a peer that is gone; torchrun would then wait 30 s before SIGKILLing this
-    rank. `SystemExit` (an intended exit code) passes through unchanged.
+    rank. `SystemExit` (an intended exit code) passes through unchanged. With a process group, the log also
+    names each rank's last phase (`last_phases`): after a collective timed out, the rank that never arrived.
     """
     try:
         main()
     except SystemExit:
         raise
-    except BaseException:  # noqa: BLE001 (also KeyboardInterrupt and DCP's CheckpointException)
+    except BaseException as e:  # noqa: BLE001 (also KeyboardInterrupt and DCP's CheckpointException)
         log.error("rank %s failed:\n%s", os.environ.get("RANK", "0"), traceback.format_exc())
+        phases = last_phases(failed=type(e).__name__)
+        if phases:
+            log.error("last phase of each rank, those still in one first (a rank stuck or dead): %s", phases)
         _hard_exit(1)
+
+
+# ------------------------------------------------------------------------------- naming a stuck rank
+_PHASE_KEY = "spmd_grpo/phase/{}"
+
+
+def _store():
+    """The default process group's key-value store (torchrun's, in its agent): reachable when a collective
+    is not, since a stuck rank blocks the collective, not the store."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def note_phase(what: str) -> None:
+    """Record in the process group's store that this rank starts `what` now (`step 3: gen`); a no-op
+    without a process group. One small store write per phase of a step."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        _store().set(_PHASE_KEY.format(dist.get_rank()), f"{time.time():.3f} {what}")
+
+
+_FAILED = "failed: "
+SETTLE_S = 1.0
+"""How long a failing rank waits between noting its failure and reading the others' phases: the ranks
+that wait in the same timed-out collective fail within about this of each other."""
+
+
+def last_phases(failed: str, timeout_s: float = 2.0) -> str:
+    """Note this rank as `failed`, then every rank's last noted phase: first the ranks still in a phase
+    (when a collective timed out, the rank that never reached it, stuck or dead), the longest first, then
+    those that failed. '' without a process group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return ""
+    rows = []
+    try:
+        store = _store()
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))  # the agent holding it may be gone
+        note_phase(_FAILED + failed)
+        time.sleep(SETTLE_S)
+        now = time.time()
+        for rank in range(dist.get_world_size()):
+            key = _PHASE_KEY.format(rank)
+            started, _, what = store.get(key).decode().partition(" ") if store.check([key]) else ("", "", "")
+            rows.append((float(started or now), rank, what or "no phase noted"))
+    except Exception as e:  # noqa: BLE001 - this only adds to an error already being reported
+        return f"(not readable from the store: {type(e).__name__}: {e})"
+    rows.sort(key=lambda row: (row[2].startswith(_FAILED), row[0]))
+    return "; ".join(
+        f"rank {rank} {what}" if what.startswith(_FAILED) else f"rank {rank} in '{what}' for {now - t:.1f} s"
+        for t, rank, what in rows
+    )
 
 
 def _hard_exit(code: int) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from spmd_grpo.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_min, all_reduce_sum
 from spmd_grpo.parallel.devices import cpu_memory_used_gb, max_memory_allocated_gb, synchronize
+from spmd_grpo.parallel.signals import note_phase
 
 if TYPE_CHECKING:
     from spmd_grpo.data.samples import Sample
@@ -26,12 +27,13 @@ if TYPE_CHECKING:
 class Timer:
     """Accumulates wall time per phase name (`timing_s/<name>`), synchronising the device at the edges."""
 
-    def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
+    def __init__(self, device_type: str, step: int = 0) -> None:
+        self.device_type, self.step = device_type, step
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        note_phase(f"step {self.step}: {name}")  # what a failed collective's log names per rank
         synchronize(self.device_type)
         start = time.perf_counter()
         try:

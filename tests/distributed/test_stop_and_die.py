@@ -81,6 +81,22 @@ def test_rank_that_raises_exits_1_and_brings_the_job_down_within_10s(tmp_path):
     assert exited_at - raised_at < MAX_TORCHRUN_S, output[-3000:]
 
 
+def test_a_rank_stuck_past_the_collective_timeout_is_named(tmp_path):
+    """Rank 1 stops in a phase without reaching the next collective; rank 0's collective times out (3 s)
+    and its error names rank 1 and the phase it is stuck in, first among the ranks' last phases."""
+    proc = _launch(tmp_path, "stuck")
+    output, exited_at = _wait_exit(proc)
+    stuck_at = float((tmp_path / "stuck_at").read_text())
+    print(f"\nrank 1 stuck: the job exited {proc.returncode} {exited_at - stuck_at:.2f} s later")
+    assert proc.returncode == 1, output[-3000:]
+    named = re.search(
+        r"last phase of each rank, those still in one first .*?: rank (\d) in '([^']*)'", output
+    )
+    assert named and named.groups() == ("1", "step 10: stuck"), output[-3000:]
+    assert "rank 0 failed: RuntimeError" in output, output[-3000:]  # the one that timed out
+    assert exited_at - stuck_at < 3 + MAX_TORCHRUN_S, output[-3000:]
+
+
 def test_sigterm_to_torchrun_stops_every_rank_with_143(tmp_path):
     proc = _launch(tmp_path, "loop")
     _wait_ready(proc, tmp_path)

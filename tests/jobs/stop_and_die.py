@@ -7,8 +7,12 @@ GRACE_S), runs under `exit_promptly`, and agrees on a stop at each iteration bou
 rank writes `OUT_DIR/rank<r>.pid` and, after a few iterations, `OUT_DIR/rank<r>.ready`. MODE:
   loop    iterate until a signal stops the job (rank r logs "rank r exits with code C")
   busy    like loop, but once ready rank 0 spends 60 s in each iteration without a collective (as a rank
-          generating alone), so a dead peer cannot reach it through a collective
+          generating alone), so a dead peer cannot reach it through a collective; and LOCAL_WORLD_SIZE is
+          set to 1 after start-up, as vLLM's CPU platform does when it builds the engine
+          (`vllm/platforms/cpu.py`: `os.environ["LOCAL_WORLD_SIZE"] = str(tensor_parallel_size)`)
   raise   rank 1 raises after a few iterations, after writing the time to `OUT_DIR/raised_at`
+  stuck   with a 3 s collective timeout: rank 1 stops in iteration 10 ("stuck", noted as its phase) for
+          10 minutes; rank 0's next collective times out and its error names rank 1's phase
   slow    like loop, but the iteration that sees the signal sleeps 10 x GRACE_S (a step that cannot
           finish within the grace period)
 """
@@ -29,10 +33,17 @@ log = logging.getLogger("stop_and_die")
 
 
 def main(out: Path, mode: str, stop: D.StopOnSignal) -> None:
-    world = D.init_distributed("cpu", timeout_s=600)
+    world = D.init_distributed("cpu", timeout_s=3 if mode == "stuck" else 600)
     (out / f"rank{world.rank}.pid").write_text(str(os.getpid()))
+    if mode == "busy":
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # what building a vLLM CPU engine with TP 1 does to it
     for i in range(1_000_000):
+        D.note_phase(f"step {i}: work")
         time.sleep(0.05)  # the step's work
+        if mode == "stuck" and world.rank == 1 and i == 10:
+            D.note_phase(f"step {i}: stuck")
+            (out / "stuck_at").write_text(repr(time.time()))
+            time.sleep(600)
         if mode == "busy" and world.rank == 0 and i > 5:
             time.sleep(60)
         if mode == "slow" and stop.signum is not None:

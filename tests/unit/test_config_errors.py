@@ -336,3 +336,29 @@ def test_every_number_key_has_a_range(files):
             with pytest.raises(ConfigError) as e:
                 validate(load_config(cfg_path, [f"{key}={huge}"]), 2, local_files=False)
             assert key in str(e.value) and "\n" not in str(e.value), (key, str(e.value))
+
+
+def test_an_unreachable_hub_fails_in_seconds_naming_the_key(cli, files, monkeypatch):
+    """A hub id that is not cached, with the hub unreachable (here: a closed local port as HF_ENDPOINT),
+    stops at the config checks instead of huggingface_hub retrying for minutes; the same id cached passes."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nobody listens on: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HOME", str(files / "hf_home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    hub_id = "Qwen/Qwen2.5-VL-3B-Instruct"  # a published id: its family is known without a download
+    start = time.monotonic()
+    code, lines = cli([f"worker.actor.model.model_path={hub_id}"])
+    assert time.monotonic() - start < 10
+    assert code == 2 and len(lines) == 1, lines
+    assert "worker.actor.model.model_path" in lines[0] and hub_id in lines[0], lines[0]
+    assert f"the hub is unreachable (127.0.0.1:{port}" in lines[0], lines[0]
+    snapshot = files / "hf_home" / "hub" / "models--Qwen--Qwen2.5-VL-3B-Instruct" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    with pytest.raises(ReachedTrainer):  # the control: cached, nothing to download
+        train.main([str(files / "base.yaml"), f"worker.actor.model.model_path={hub_id}"])
