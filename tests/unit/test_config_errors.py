@@ -299,27 +299,18 @@ def test_a_reward_file_that_exits_at_import_is_named(cli, files, name):
 
 def _number_keys() -> list[tuple[str, str]]:
     """(dotted key, 'int' | 'float') of every integer and float key of the schema, optional ones included."""
-    import dataclasses
     import typing
 
+    from spmd_grpo.config.loader import _all_keys, _schema_type
     from spmd_grpo.config.schema import Config
 
     out = []
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            if dataclasses.is_dataclass(tp):
-                walk(tp, f"{prefix}{f.name}.")
-            elif tp in (int, float) or (
-                typing.get_origin(tp) is not None
-                and set(typing.get_args(tp)) in ({int, type(None)}, {float, type(None)})
-            ):
-                kind = "int" if int in (tp, *typing.get_args(tp)) else "float"
-                out.append((f"{prefix}{f.name}", kind))
-
-    walk(Config, "")
+    for key in _all_keys(Config):
+        tp = _schema_type(key)
+        optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+        kinds = set(typing.get_args(tp) if optional else (tp,)) - {type(None)}
+        if kinds in ({int}, {float}):
+            out.append((key, kinds.pop().__name__))
     return out
 
 
