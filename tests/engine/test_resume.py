@@ -6,7 +6,8 @@
    ignored) and finishes.
 3. Its metrics for the steps after the resume equal those of an uninterrupted run (fp32, same seed).
 4. The checkpoint saved on 2 ranks resumes on 1 rank (DCP resharding) and training continues; its changed
-   max_steps is reported.
+   max_steps is reported. Then a resume of its step 4 by path sets step 5's checkpoint aside as an abandoned
+   branch (run/lineage.py) and redoes step 5, logged once.
 5. Then a new run (`trainer.resume=none`) into that directory, and a resume with another group size, are
    each refused in one line before anything loads, leaving the directory as it was.
 """
@@ -80,9 +81,24 @@ def test_kill_during_save_then_resume_exactly_and_on_fewer_ranks(tiny_untied, tm
     )
     assert saved["world_size"] == 1 and saved["version"] == 5
 
+    # 4b. Back to step 4 by path: step 5's checkpoint is an abandoned branch, moved aside whole with its metrics
+    #     row; the redone step 5 is logged once and `latest` names the branch taken.
+    run = tmp_path / "one_rank"
+    back = torchrun(
+        _args(
+            tiny_untied, tmp_path, "one_rank", 5, f"trainer.resume={run / 'checkpoints' / 'global_step_4'}"
+        ),
+        nproc=1,
+    )
+    assert "global_step_5 of the old branch are set aside" in back.stdout + back.stderr
+    assert (run / "abandoned" / "after_step_4" / "global_step_5" / "trainer_state.json").is_file()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    assert [json.loads(r)["step"] for r in (run / "metrics.rolledback.jsonl").read_text().splitlines()] == [5]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "global_step_5"  # the new step 5
+
     # 5. Refusals against this real run directory: one line, exit 2, before any process group or model, and
     #    nothing in the directory is written (rank logs included).
-    run = tmp_path / "one_rank"
     before = _files(run)
     [line] = _refused(_args(tiny_untied, tmp_path, "one_rank", 5, "trainer.resume=none"))
     assert line.startswith(f"config error: {run} already holds a run (config.yaml, metrics.jsonl")
