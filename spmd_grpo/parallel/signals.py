@@ -152,8 +152,12 @@ def note_phase(what: str) -> None:
     without a process group. One small store write per phase of a step."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    try:
         _store().set(_PHASE_KEY.format(dist.get_rank()), f"{time.time():.3f} {what}")
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not end the run; the collectives will tell
+        log.warning("could not note the phase %r in the process group's store: %s", what, e)
 
 
 _FAILED = "failed: "
