@@ -34,7 +34,9 @@ are not compared). Each difference is either
         model), `tokenizer_path` (token ids), `freeze_vision_tower` (which parameters have Adam state);
       - the data position (epoch, batches drawn) indexes a filtered, shuffled data set: `data.train_files`,
         the row keys, `format_prompt`, `system_prompt`, `num_builtin_examples`, `max_prompt_length` and the
-        pixel limits (the length filter), `shuffle`, `data.seed` (the order), `rollout_batch_size`;
+        pixel limits (the length filter), `worker.rollout.limit_images` (rows with more images are skipped:
+        a changed limit changed the data set's size and the resume failed after vLLM had loaded),
+        `shuffle`, `data.seed` (the order), `rollout_batch_size`;
       - the step the step counter, the data position and the LR schedule count: `data.rollout_batch_size`,
         `worker.rollout.n`, `worker.actor.global_batch_size`, `ppo_epochs`, `data.max_response_length`,
         DAPO's `filter_groups.enable` / `train_batch_size`;
@@ -83,6 +85,7 @@ MEANING_CHANGING: dict[str, str] = {
             *(f"data.{k}" for k in ("train_files", "prompt_key", "answer_key", "image_key", "format_prompt")),
             *(f"data.{k}" for k in ("system_prompt", "num_builtin_examples", "max_prompt_length")),
             *(f"data.{k}" for k in ("min_pixels", "max_pixels", "shuffle", "seed")),
+            "worker.rollout.limit_images",  # rows with more images are skipped at load: the filter
         ],
         _DATA,
     ),

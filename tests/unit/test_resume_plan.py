@@ -144,6 +144,17 @@ def test_resume_refuses_a_meaning_change_names_the_override_and_reports_the_rest
     ]
     with pytest.raises(ConfigError, match="allow_config_change: unknown config key worker.rollout.nn"):
         plan_start(_cfg(tmp_path, "trainer.allow_config_change=[worker.rollout.nn]"))
+    # The image limit filters the rows the data position indexes: its change once passed the diff and
+    # failed in the sampler's resume, after vLLM had loaded.
+    with pytest.raises(ConfigError, match=r"worker.rollout.limit_images 1 -> 2 \(the saved data position"):
+        plan_start(
+            _cfg(
+                tmp_path,
+                "worker.rollout.n=4",
+                "data.train_files=builtin:color",
+                "worker.rollout.limit_images=2",
+            )
+        )
 
 
 def test_old_checkpoint_without_config_is_compared_with_the_run_dirs(tmp_path):
