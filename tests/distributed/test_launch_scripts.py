@@ -6,7 +6,8 @@ PATH, on a one-node allocation, and the NPU script's CANN `set_env.sh` files are
 run through a real 2-node training in tests/engine/test_launch.py. An unknown key
 given on the script's command line must come back from every rank as the config error naming it: that
 proves the config path and the overrides reached `spmd_grpo.train` on each rank (after the NPU script's own
-`trainer.device=npu worker.rollout.sleep_level=1`, which are valid keys)."""
+`trainer.device=npu worker.rollout.sleep_level=1`, which are valid keys and which the command line may set
+again: a key given twice is refused)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ def slurm_env(slurm_shims, tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("script", ["launch/local.sh", "launch/slurm/train_npu.sbatch"])
 def test_script_reaches_every_rank_with_config_and_overrides(script, slurm_env):
     env = {**os.environ, **slurm_env, "PORT": str(free_port())}
+    # The NPU script's sleep_level given again: the user's value replaces its default, not a key set twice.
+    again = ["worker.rollout.sleep_level=2"] if script.endswith(".sbatch") else []
     proc = subprocess.run(
-        ["bash", script, "configs/smoke.yaml", f"{UNKNOWN}=1"],
+        ["bash", script, "configs/smoke.yaml", *again, f"{UNKNOWN}=1"],
         cwd=REPO,
         env=env,
         capture_output=True,
