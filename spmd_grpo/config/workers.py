@@ -175,6 +175,9 @@ class RolloutConfig:
     max_num_seqs: int = 256
     limit_images: int = 1
     """Most images per prompt (vLLM's limit_mm_per_prompt)."""
+    limit_videos: int = 0
+    """Most videos per prompt (vLLM's limit_mm_per_prompt). 0: rows with a video are skipped at load, and
+    vLLM reserves nothing for video (it profiles memory with the largest allowed video at start-up)."""
     kv_cache_memory_gb: float = 1.0
     """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     weight_sync_bucket_mb: int = 512
@@ -192,6 +195,7 @@ class RolloutConfig:
             "max_num_seqs",
             "kv_cache_memory_gb",
         )
+        require_at_least(self, prefix, 0, "limit_videos")
         require(self.temperature > 0, f"{prefix}temperature must be > 0, got {self.temperature}")
         require(0 < self.top_p <= 1, f"{prefix}top_p must be in (0, 1], got {self.top_p}")
         require_top_k(prefix, self.top_k)

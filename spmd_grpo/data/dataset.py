@@ -136,6 +136,12 @@ class Example:
         load; a failure now means the source changed since, and is a ValueError naming the file and row."""
         return self.source.images(self.row)
 
+    @property
+    def videos(self) -> list:
+        """The row's videos (`data.videos.Video`: sampled, resized frames and their metadata), decoded NOW
+        from the source, like `images`: frames are never held beyond the step that reads them."""
+        return self.source.videos(self.row)
+
 
 def load_dataset(
     cfg: DataConfig,
@@ -146,12 +152,14 @@ def load_dataset(
     world_size: int = 1,
     all_gather: AllGather = _single_process,
     limit_images: int | None = None,
+    limit_videos: int | None = None,
 ) -> list[Example]:
     """Read `cfg.train_files` (split "train") or `cfg.val_files` (split "val") into tokenized Examples.
 
     Each rank checks its contiguous share of the rows; `all_gather` (every rank's object in rank order; under
     torchrun `parallel.all_gather_objects`, called once by every rank) gives every rank the same Examples.
-    `limit_images` (worker.rollout.limit_images): rows with more images are skipped.
+    `limit_images` / `limit_videos` (worker.rollout.limit_images / limit_videos): rows with more images or
+    videos are skipped.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -164,7 +172,7 @@ def load_dataset(
         raise ValueError(f"world_size={world_size} needs an all_gather (parallel.all_gather_objects)")
     try:
         sources, unreadable = open_sources(source, cfg, split)
-        prompting = Prompting.for_load(cfg, processor, limit_images, log=rank == 0)
+        prompting = Prompting.for_load(cfg, processor, limit_images, log=rank == 0, limit_videos=limit_videos)
         for (
             s
         ) in sources:  # images are resized as this model's processor resizes them (28 or 32 pixels a token)
