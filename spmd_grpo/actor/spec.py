@@ -47,6 +47,9 @@ class UpdateSpec:
     max_token_len_for_experience: int = 16384
     old_logprobs_from_update: bool = False
     """Take the old logprobs from the update's forward when the step is exactly on-policy."""
+    videos: bool = False
+    """The run allows videos (worker.rollout.limit_videos > 0): every forward runs the vision tower on video
+    input, a dummy one where its micro-batch has no video (video features are never reused)."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, world_size: int, pad_token_id: int) -> UpdateSpec:
@@ -76,6 +79,7 @@ class UpdateSpec:
             max_token_len_for_update=a.max_token_len_per_device_for_update,
             max_token_len_for_experience=a.max_token_len_per_device_for_experience,
             old_logprobs_from_update=a.old_logprobs_from_update,
+            videos=cfg.worker.rollout.limit_videos > 0,
         )
 
     def tower_in_forward(self, reusable_features: bool, *, for_update: bool) -> bool:

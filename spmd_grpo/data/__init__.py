@@ -38,6 +38,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "Prompting",
             "check_text",
             "processor_kwargs",
+            "processor_kwargs_for",
             "with_video_metadata",
         ),
         "row_checks": (

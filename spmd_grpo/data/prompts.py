@@ -140,6 +140,12 @@ def processor_kwargs(cfg: DataConfig, rules: VideoRules | None) -> dict:
     return {"images_kwargs": {"size": image_size}, "videos_kwargs": {"size": rules.processor_size()}}
 
 
+def processor_kwargs_for(cfg: DataConfig, processor, limit_videos: int) -> dict:
+    """`processor_kwargs` of a run: video sizes for this processor's factor where videos are allowed."""
+    factor = _image_processor_bounds(processor)[2]
+    return processor_kwargs(cfg, VideoRules.of(cfg, factor) if limit_videos else None)
+
+
 def with_video_metadata(kwargs: dict, videos: list) -> dict:
     """`processor_kwargs` for a call with `videos` (`data.videos.Video`s): their metadata, and no frame
     sampling (the frames are final)."""

@@ -34,6 +34,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "generate_for_group",
             "generate",
             "attach_pixel_values",
+            "attach_video_inputs",
+            "VIDEO_INPUTS",
         ),
         "sample_exchange": (
             "LIST_FIELDS",

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.data.videos import Video
 from spmd_grpo.parallel.collectives import World, exchange_bytes
 
 # ------------------------------------------------------------------------------- samples as raw bytes
@@ -66,7 +67,8 @@ class _Packer:
 
     def prompt(self, p: Prompt) -> tuple:
         ids = self.tensor(torch.tensor(p.prompt_token_ids, dtype=torch.int64))
-        return (p.uid, ids, [self.image(img) for img in p.images], p.ground_truth, p.extra)
+        videos = [(self.tensor(torch.from_numpy(v.frames)), v.metadata) for v in p.videos]
+        return (p.uid, ids, [self.image(img) for img in p.images], p.ground_truth, p.extra, videos)
 
     def sample(self, s: Sample, prompt_index: int) -> dict:
         out = {name: getattr(s, name) for name in SCALAR_FIELDS}
@@ -131,8 +133,15 @@ def _unpack(segment: torch.Tensor) -> list[tuple[int, Sample]]:
         return img
 
     prompts = [
-        Prompt(uid, tensor(ids).tolist(), [image(i) for i in images], ground_truth, extra)
-        for uid, ids, images, ground_truth, extra in header_prompts
+        Prompt(
+            uid,
+            tensor(ids).tolist(),
+            [image(i) for i in images],
+            ground_truth,
+            extra,
+            [Video(tensor(frames).numpy(), metadata) for frames, metadata in videos],
+        )
+        for uid, ids, images, ground_truth, extra, videos in header_prompts
     ]
     out = []
     for pos, fields in header_samples:

@@ -53,6 +53,7 @@ def validate(
             ex.images,
             ex.answer,
             {"data_source": ex.data_source, "problem": ex.problem},
+            ex.videos,
         )
         for i in range(world.rank, len(examples), world.world_size)
         for ex in [examples[i]]

@@ -18,9 +18,11 @@ def run_job(main: Callable[[], None]) -> None:
     destroy()
 
 
-def chat_text(processor, num_images: int, text: str) -> str:
-    """The chat-templated user turn: `num_images` images, then `text`, ready for the assistant's answer."""
-    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
+def chat_text(processor, num_images: int, text: str, num_videos: int = 0) -> str:
+    """The chat-templated user turn: `num_images` images, `num_videos` videos, then `text`, ready for the
+    assistant's answer."""
+    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "video"} for _ in range(num_videos)]
+    content.append({"type": "text", "text": text})
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
 
