@@ -29,3 +29,26 @@ def chat_text(processor, num_images: int, text: str, num_videos: int = 0) -> str
 def encode(processor, images: list[Image.Image], text: str) -> dict:
     """HF processor output (input_ids with the images expanded, pixel_values, image_grid_thw) of one prompt."""
     return processor(text=[chat_text(processor, len(images), text)], images=images, return_tensors="pt")
+
+
+VIDEO_DATA = {"video_min_pixels": 3136, "video_max_pixels": 12544}
+"""`data.video_*` of the test jobs' videos: 4 frames of 56 x 84 pixels stay a few tokens per temporal patch."""
+
+
+def make_video(colors: list[tuple[int, int, int]], rules):
+    """A 2-fps video of one solid colour per frame, through the data layer's encode and decode (`rules`:
+    `data.videos.VideoRules`)."""
+    from spmd_grpo.data.videos import decode_video, encode_video
+
+    return decode_video(encode_video([Image.new("RGB", (56, 84), c) for c in colors]), None, rules)
+
+
+def video_setup(processor) -> tuple:
+    """(video rules, processor kwargs) of a run with videos allowed, for `processor`'s patch x merge."""
+    from spmd_grpo.config.schema import DataConfig
+    from spmd_grpo.data.prompts import processor_kwargs_for
+    from spmd_grpo.data.videos import VideoRules
+
+    cfg = DataConfig(**VIDEO_DATA)
+    factor = processor.image_processor.patch_size * processor.image_processor.merge_size
+    return VideoRules.of(cfg, factor), processor_kwargs_for(cfg, processor, 1)

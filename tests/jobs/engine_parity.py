@@ -30,9 +30,7 @@ from PIL import Image
 
 from spmd_grpo.actor.micro_batches import collate_samples
 from spmd_grpo.config.loader import load_config
-from spmd_grpo.data.prompts import processor_kwargs_for
 from spmd_grpo.data.samples import Prompt
-from spmd_grpo.data.videos import VideoRules
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.parallel.collectives import init_distributed, new_tp_groups
 from spmd_grpo.rollout.engine import RolloutEngine
@@ -43,7 +41,7 @@ from spmd_grpo.rollout.generate import (
     generate,
     generate_for_group,
 )
-from tests.jobs.common import chat_text, run_job
+from tests.jobs.common import VIDEO_DATA, chat_text, make_video, run_job, video_setup
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
 
@@ -58,19 +56,13 @@ def make_prompts(processor, rank: int, per_rank: int, video_rules=None) -> list[
             Image.new("RGB", (56 + 28 * ((uid + j) % 2), 56), COLORS[(uid + j) % len(COLORS)])
             for j in range(num_images)
         ]
-        videos = [make_video(uid, video_rules)] if kind else []
+        videos = (
+            [make_video([COLORS[(uid + k) % len(COLORS)] for k in range(4)], video_rules)] if kind else []
+        )
         text = chat_text(processor, len(images), f"Which color? {uid}", num_videos=len(videos))
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append(Prompt(uid=uid, prompt_token_ids=ids, images=images, videos=videos))
     return prompts
-
-
-def make_video(uid: int, rules):
-    """A 4-frame, 2-fps video of changing colours, through the data layer's encode and decode."""
-    from spmd_grpo.data.videos import decode_video, encode_video
-
-    frames = [Image.new("RGB", (56, 84), COLORS[(uid + k) % len(COLORS)]) for k in range(4)]
-    return decode_video(encode_video(frames), None, rules)
 
 
 VIDEOS = {"video_in_forward": False}  # --videos: every trainer forward runs the tower on video input
@@ -135,13 +127,11 @@ def main() -> None:
             "worker.rollout.weight_sync_bucket_mb=1",
             "trainer.seed=0",
             *([f"worker.rollout.limit_videos={int(args.videos)}"] if args.videos else []),
-            *(["data.video_min_pixels=3136", "data.video_max_pixels=12544"] if args.videos else []),
+            *([f"data.{k}={v}" for k, v in VIDEO_DATA.items()] if args.videos else []),
         ],
     )
     VIDEOS["video_in_forward"] = args.videos
-    processor_kwargs = processor_kwargs_for(cfg.data, processor, int(args.videos))
-    factor = processor.image_processor.patch_size * processor.image_processor.merge_size
-    video_rules = VideoRules.of(cfg.data, factor) if args.videos else None
+    video_rules, processor_kwargs = video_setup(processor) if args.videos else (None, {})
     policy = build_policy(cfg.worker.actor, world)
     tie = bool(policy.config.tie_word_embeddings)
     engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tie)
