@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,35 +132,43 @@ def _count_and_rate(source) -> tuple[int, float]:
     return count, float(rate or 0.0)
 
 
+@contextmanager
+def _as_bad_row(kind: str, *errors: type[BaseException]):
+    """`errors` raised inside become `BadRow(kind, message)`."""
+    try:
+        yield
+    except BadRow:
+        raise
+    except errors as e:
+        raise BadRow(kind, f"{type(e).__name__}: {e}") from e
+
+
 def decode_video(entry: Any, base_dir: Path | None, rules: VideoRules) -> Video:
     """The video's frames sampled and resized by `rules` (see the module docstring)."""
     from qwen_vl_utils.vision_process import smart_nframes, smart_resize
 
-    try:
+    # PyAV: not a video, truncated, unknown codec, a missing file (its errors include ValueErrors)
+    with _as_bad_row("undecodable video", Exception):
         source = _source(entry, base_dir)
         total, fps = _count_and_rate(source)
-        if total == 0:
-            raise BadRow("video has no frames")
-        if fps <= 0:
-            raise BadRow("video has no frame rate")
-        limits = {"fps": rules.fps, "min_frames": rules.min_frames, "max_frames": rules.max_frames}
+    if total == 0:
+        raise BadRow("video has no frames")
+    if fps <= 0:
+        raise BadRow("video has no frame rate")
+    limits = {"fps": rules.fps, "min_frames": rules.min_frames, "max_frames": rules.max_frames}
+    with _as_bad_row("video cannot be sampled", ValueError):  # fewer frames than one temporal patch
         nframes = smart_nframes(limits, total_frames=total, video_fps=fps)
-        wanted = np.linspace(0, total - 1, nframes).round().astype(int).tolist()
-        frames = _decode_frames(source, set(wanted))
-        frames = [frames[i] for i in wanted]
-        max_pixels = max(
-            min(rules.max_pixels, rules.total_pixels / nframes * rules.frame_factor),
-            int(rules.min_pixels * 1.05),
-        )
+    wanted = np.linspace(0, total - 1, nframes).round().astype(int).tolist()
+    with _as_bad_row("undecodable video", Exception):
+        decoded = _decode_frames(source, set(wanted))
+        frames = [decoded[i] for i in wanted]  # KeyError: fewer frames on the second pass
+    max_pixels = max(
+        min(rules.max_pixels, rules.total_pixels / nframes * rules.frame_factor), int(rules.min_pixels * 1.05)
+    )
+    with _as_bad_row("video cannot be resized", ValueError):  # extreme aspect ratio
         height, width = smart_resize(
             frames[0].height, frames[0].width, rules.factor, rules.min_pixels, max_pixels
         )
-    except BadRow:
-        raise
-    except ValueError as e:  # smart_nframes: fewer frames than one temporal patch; smart_resize: aspect ratio
-        raise BadRow("video cannot be sampled", str(e)) from e
-    except Exception as e:  # PyAV: not a video, truncated, unknown codec, missing file
-        raise BadRow("undecodable video", f"{type(e).__name__}: {e}") from e
     resized = [
         f if f.size == (width, height) else f.resize((width, height), Image.Resampling.BICUBIC)
         for f in frames

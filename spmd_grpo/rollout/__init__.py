@@ -41,6 +41,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "LIST_FIELDS",
             "TENSOR_FIELDS",
             "TENSOR_TUPLE_FIELDS",
+            "TENSOR_DICT_FIELDS",
             "SCALAR_FIELDS",
             "exchange_samples",
         ),

@@ -28,6 +28,9 @@ TENSOR_FIELDS = ("pixel_values", "image_grid_thw", "old_logprobs", "ref_logprobs
 TENSOR_TUPLE_FIELDS = ("image_features",)
 
 
+TENSOR_DICT_FIELDS = ("video_inputs",)
+
+
 SCALAR_FIELDS = (
     "sample_index",
     "response_text",
@@ -80,6 +83,9 @@ class _Packer:
         for name in TENSOR_TUPLE_FIELDS:
             value = getattr(s, name)
             out[name] = None if value is None else tuple(self.tensor(t) for t in value)
+        for name in TENSOR_DICT_FIELDS:
+            value = getattr(s, name)
+            out[name] = None if value is None else {k: self.tensor(t) for k, t in value.items()}
         out["prompt"] = prompt_index
         return out
 
@@ -151,6 +157,8 @@ def _unpack(segment: torch.Tensor) -> list[tuple[int, Sample]]:
             kwargs[name] = None if fields[name] is None else tensor(fields[name])
         for name in TENSOR_TUPLE_FIELDS:
             kwargs[name] = None if fields[name] is None else tuple(map(tensor, fields[name]))
+        for name in TENSOR_DICT_FIELDS:
+            kwargs[name] = None if fields[name] is None else {k: tensor(r) for k, r in fields[name].items()}
         out.append((pos, Sample(prompt=prompts[fields["prompt"]], **kwargs)))
     return out
 
