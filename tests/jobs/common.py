@@ -52,3 +52,14 @@ def video_setup(processor) -> tuple:
     cfg = DataConfig(**VIDEO_DATA)
     factor = processor.image_processor.patch_size * processor.image_processor.merge_size
     return VideoRules.of(cfg, factor), processor_kwargs_for(cfg, processor, 1)
+
+
+def encode_with_videos(processor, images: list[Image.Image], videos: list, text: str, kwargs: dict) -> dict:
+    """HF processor output of one prompt with `videos` (`data.videos.Video`; at least one) and `images`,
+    the sizes `kwargs` (`video_setup`) and the videos' metadata: the expanded input_ids vLLM returns too."""
+    from spmd_grpo.data.prompts import with_video_metadata
+
+    chat = chat_text(processor, len(images), text, num_videos=len(videos))
+    call = with_video_metadata(kwargs, videos)
+    frames = [v.frames for v in videos]
+    return processor(text=[chat], images=images or None, videos=frames, return_tensors="pt", **call)

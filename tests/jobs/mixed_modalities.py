@@ -34,13 +34,12 @@ from spmd_grpo.actor.micro_batches import collate_samples, micro_batches
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.actor.update import mini_batch_backward
 from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig
-from spmd_grpo.data.prompts import with_video_metadata
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from spmd_grpo.parallel.collectives import init_distributed
 from spmd_grpo.rollout.generate import attach_video_inputs
-from tests.jobs.common import chat_text, encode, make_video, run_job, video_setup
+from tests.jobs.common import chat_text, encode, encode_with_videos, make_video, run_job, video_setup
 
 NUM_SAMPLES = 4
 SCENARIOS = {"one_rank_text_only": False, "random": True}  # scenario -> whether the run allows videos
@@ -71,10 +70,7 @@ def make_samples(processor, counts: list[tuple[int, int]], rank: int) -> list[Sa
         if videos:  # the trainer's call (`attach_video_inputs`), with the text placed in the chat
             sample = Sample(prompt, 0, [], [], [])
             attach_video_inputs([sample], processor, kwargs)
-            chat = chat_text(processor, k, text, num_videos=v)
-            call = with_video_metadata(kwargs, videos)
-            frames = [x.frames for x in videos]
-            enc = processor(text=[chat], images=images or None, videos=frames, return_tensors="pt", **call)
+            enc = encode_with_videos(processor, images, videos, text, kwargs)
         elif images:
             enc = encode(processor, images, text)
             sample = Sample(prompt, 0, [], [], [], pixel_values=enc["pixel_values"])

@@ -20,7 +20,6 @@ from spmd_grpo.actor.logprob_pass import compute_logprobs
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import load_config
-from spmd_grpo.data.prompts import with_video_metadata
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models import attention as attention_module
 from spmd_grpo.models import build as model_module
@@ -282,7 +281,7 @@ def test_packed_equals_padded_for_video_and_image_video_prompts(tiny, attention)
     """Video prompts (a video; an image and a video; text-only beside them) packed vs padded: logprobs,
     entropy and every gradient, with the tower run on video input in every forward."""
     from spmd_grpo.rollout.generate import attach_video_inputs
-    from tests.jobs.common import chat_text, make_video, video_setup
+    from tests.jobs.common import chat_text, encode_with_videos, make_video, video_setup
 
     processor, policy = tiny
     rules, kwargs = video_setup(processor)
@@ -292,11 +291,12 @@ def test_packed_equals_padded_for_video_and_image_video_prompts(tiny, attention)
         videos = [make_video([(60 * f, 20 * i, 100) for f in range(4)], rules)] * num_videos
         sample = Sample(Prompt(i, [], images=images, videos=videos), 0, [], [], [])
         attach_video_inputs([sample], processor, kwargs)
-        text = chat_text(processor, num_images, f"Colors? {i}", num_videos=num_videos)
-        call = {"images": images or None, "return_tensors": "pt"}
+        text = f"Colors? {i}"
         if videos:
-            call.update(videos=[v.frames for v in videos], **with_video_metadata(kwargs, videos))
-        enc = processor(text=[text], **call)
+            enc = encode_with_videos(processor, images, videos, text, kwargs)
+        else:
+            chat = chat_text(processor, num_images, text)
+            enc = processor(text=[chat], images=images or None, return_tensors="pt")
         if images and not videos:
             sample.pixel_values, sample.image_grid_thw = enc["pixel_values"], enc["image_grid_thw"]
         sample.prompt_ids, sample.response_ids = (
