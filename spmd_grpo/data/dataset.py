@@ -41,6 +41,11 @@ file's rows skipped is an error naming the file):
   * the tokenizer's special tokens written as text (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`,
     `<|image_pad|>`, `<|endoftext|>`, ...): skipped, not escaped; they would end the user turn early or give vLLM
     vision tokens without an image. In `data.system_prompt` they are an error.
+  * videos (`videos` column, `<video>` markers, `data.videos`): every video is decoded and sampled at load
+    (PyAV; qwen-vl-utils' rules), and the prompt's expanded length is the processor's own count; a video that
+    cannot be decoded, has no frame rate or fewer frames than one temporal patch, or more videos than
+    `limit_videos` (worker.rollout.limit_videos): skipped. Videos are read on demand like images
+    (`Example.videos`, the step's frames only).
   * `<image>` markers must match the images; more images than `limit_images` (worker.rollout.limit_images, the
     most vLLM accepts per prompt; it would fail the whole generate call): skipped, not truncated.
   * images: every PIL mode becomes RGB (`_to_rgb`: transparency on white, 16-bit grey scaled, float grey read
