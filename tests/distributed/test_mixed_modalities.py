@@ -55,9 +55,13 @@ def test_every_composition_on_every_rank(family, tmp_path):
     assert mixes[0][0] == (1, 1) and mixes[1][0] == (1, 0)
 
 
-@pytest.mark.parametrize("removed", ["--without-idle-tower", "--without-idle-video"])
+@pytest.mark.parametrize(
+    "removed",
+    [["--without-idle-tower"], ["--without-idle-video", "--scenarios", "random"]],
+    ids=["tower", "video"],
+)
 def test_without_the_mechanism_the_ranks_disagree(removed, tmp_path):
-    proc = torchrun([JOB, str(tiny_model()), str(tmp_path / "out"), removed], check=False)
+    proc = torchrun([JOB, str(tiny_model()), str(tmp_path / "out"), *removed], check=False)
     assert proc.returncode != 0
     assert "Received data size doesn't match" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[
         -3000:

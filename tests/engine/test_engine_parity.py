@@ -35,7 +35,7 @@ def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
     trust = tp == 2 and tied
     videos = (family, tp, tied) in VIDEO_CASES
     job = ["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)]
-    job += ["--prompts-per-rank", "3", "--videos"] if videos else []
+    job += ["--videos"] if videos else []
     torchrun([*job, *(["--trust-remote-code"] if trust else [])])
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
@@ -63,6 +63,8 @@ def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
         # Without the push the check fails: the engine still samples from the old weights.
         assert r["nosync_new_diff_max"] > 10 * TOL, r
         assert r["nosync_old_diff_max"] <= TOL, r
+        if videos:  # both ranks hold videos, one an image + video prompt, beside image-only prompts
+            assert r["media"] == ([[1, 0], [0, 1]] if r["rank"] == 0 else [[1, 1], [2, 0]]), r["media"]
         # Each rank keeps exactly the outputs of its own prompts.
         assert r["own_uids"] == r["my_prompt_uids"]
     if tp == 2:

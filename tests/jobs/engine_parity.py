@@ -50,7 +50,9 @@ def make_prompts(processor, rank: int, per_rank: int, video_rules=None) -> list[
     prompts = []
     for i in range(per_rank):
         uid = rank * per_rank + i
-        kind = uid % 3 if video_rules is not None else 0  # 0: 1-2 images, 1: a video, 2: image + video
+        # 0: 1-2 images, 1: a video, 2: image + video (2 prompts a rank: rank 0 images, video; rank 1
+        # image + video, 2 images)
+        kind = uid % 3 if video_rules is not None else 0
         num_images = (1 + i % 2) if kind == 0 else kind - 1
         images = [
             Image.new("RGB", (56 + 28 * ((uid + j) % 2), 56), COLORS[(uid + j) % len(COLORS)])
@@ -208,6 +210,7 @@ def main() -> None:
         "own_uids": sorted({s.prompt.uid for s in s2}),
         "my_prompt_uids": [p.uid for p in prompts],
         "group_outputs": [[s.prompt.uid, s.sample_index, s.response_ids] for s in group],
+        "media": [[len(p.images), len(p.videos)] for p in prompts],
         "sync_bytes": engine.stats.last_sync_bytes,
         "engine": engine.settings(),
     }

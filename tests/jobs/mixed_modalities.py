@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("out_prefix")
     ap.add_argument("--without-idle-tower", action="store_true")
     ap.add_argument("--without-idle-video", action="store_true")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated (default: all)")
     args = ap.parse_args()
     from transformers import AutoProcessor
 
@@ -145,7 +146,8 @@ def main() -> None:
         micro_batch_size=1, experience_micro_batch_size=1,
     )  # fmt: skip
     out = {}
-    for scenario, videos in SCENARIOS.items():
+    for scenario in args.scenarios.split(","):
+        videos = SCENARIOS[scenario]
         samples = make_samples(processor, compositions(scenario, world.rank), world.rank)
         reference = reference_logprobs(args.model_dir, samples, pad_id)
         spec = dataclasses.replace(spec, videos=videos)
