@@ -277,16 +277,17 @@ def test_padding_free_setting_picks_packing_and_attention(monkeypatch):
         load_config(None, [*base, "worker.actor.padding_free=sometimes"])
 
 
-def test_packed_equals_padded_for_video_and_image_video_prompts(tiny, attention):
+def test_packed_equals_padded_for_video_and_image_video_prompts(tiny):
     """Video prompts (a video; an image and a video; text-only beside them) packed vs padded: logprobs,
-    entropy and every gradient, with the tower run on video input in every forward."""
+    entropy and every gradient, with the tower run on video input in every forward (transformers' sdpa; the
+    attention paths themselves are compared above)."""
     from spmd_grpo.rollout.generate import attach_video_inputs
     from tests.jobs.common import chat_text, encode_with_videos, make_video, video_setup
 
     processor, policy = tiny
     rules, kwargs = video_setup(processor)
     samples = []
-    for i, (num_images, num_videos, n) in enumerate([(1, 1, 4), (0, 1, 7), (0, 0, 3), (1, 0, 5)]):
+    for i, (num_images, num_videos, n) in enumerate([(1, 1, 4), (0, 1, 7), (0, 0, 3)]):
         images = [Image.new("RGB", (56, 84), (90, 30 * i, 20))] * num_images
         videos = [make_video([(60 * f, 20 * i, 100) for f in range(4)], rules)] * num_videos
         sample = Sample(Prompt(i, [], images=images, videos=videos), 0, [], [], [])
