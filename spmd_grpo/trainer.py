@@ -210,6 +210,14 @@ class Trainer:
             log.warning(
                 "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
             )
+        if (
+            self.cfg.worker.actor.reuse_image_features
+            and self.cfg.worker.rollout.limit_videos
+            and self.world.is_main
+        ):
+            log.warning(
+                "worker.actor.reuse_image_features ignored with videos: images are encoded in every forward"
+            )
         self.loggers = build_loggers(
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )

@@ -105,7 +105,8 @@ class ActorConfig:
     block-diagonal mask (correct, not faster)."""
     reuse_image_features: bool = True
     """With model.freeze_vision_tower: encode each prompt's images once per step, reused by all its samples
-    and every trainer pass; ignored (images re-encoded in every forward) when the tower is trained."""
+    and every trainer pass; ignored (images re-encoded in every forward) when the tower is trained, and
+    when worker.rollout.limit_videos > 0 (transformers takes precomputed features for all modalities or none)."""
     dynamic_batching: bool = False
     """Micro-batches by token budget (the two keys below, prompt + response tokens per rank) instead of
     the micro_batch_size_* counts: balanced token sums, the same number of forwards on every rank."""
