@@ -6,7 +6,8 @@ Shapes: B sequences, L = padded prompt+response length, T = total tokens of a pa
 row of T valid tokens, `attention_mask=None`, 4-row position ids whose row 0 restarts at each sequence, which
 is how transformers detects the packing). `mrope_position_ids` computes Qwen-VL's 3-row mrope positions over
 the WHOLE prompt+response: given only input ids, transformers silently uses wrong positions for the
-response tokens. `ImageBatch` holds the pixel values and grids of the micro-batch's images.
+response tokens. `ImageBatch` holds the pixel values and grids of the micro-batch's images; a batch's
+videos travel as the processor's `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ attention_mask and the images, transformers 5.x silently uses wrong positions fo
 (per-token logprob errors of 1-18 nats against vLLM, measured on a tiny Qwen2.5-VL in fp32, no warning).
 We compute `position_ids` [3, B, L] explicitly, as the model's family says (`families.Family.position_ids`:
 the model's `get_rope_index` with `mm_token_type_ids`, 1 on image pad tokens, 0 elsewhere, response
-included), and pass them in.
+included; with videos, `models.video_rope`, vLLM's rule), and pass them in. Video inputs
+(`pixel_values_videos`, `video_grid_thw`, Qwen2.5-VL's `second_per_grid_ts`) go to the model as they are.
 
 Padding-free (`worker.actor.padding_free`): a micro-batch's sequences are packed back to back into one row
 with no attention mask, and the positions get a 4th row (first) of plain per-sequence text positions.
