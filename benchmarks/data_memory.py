@@ -1,6 +1,7 @@
 """Peak RSS of the data pipeline: load a geometry3k-schema parquet, draw one step's prompts, decode their images.
 
     python benchmarks/data_memory.py [--rows 2000,20000] [--batch 16] [--before REF] [--workdir DIR] [--out F]
+        [--video]
 
 For each size N, `data_N.parquet` (geometry3k schema, 256-row groups) is written once into --workdir
 (default .cache/bench_data): 500 rows from `tools.synthetic_data.synthetic_geo3k_rows` (224x168 PNG diagrams,
@@ -20,6 +21,9 @@ with `git archive` to a scratch directory first on PYTHONPATH), e.g. the eager l
 image. The script only uses `load_dataset(cfg, processor, "train")`, `Example.prompt_token_ids` and
 `Example.images`, which both versions have. Prints one table and the 20k/2k-style ratios (largest size over
 smallest) of `peak` and `extra`; --out writes the rows as JSON. Uses memtools.py (beside this script).
+
+`--video`: the rows are `builtin:video_color` rows (a 4-frame 56x56 MPEG-4 video each, ~1.2 kB, in the
+`videos` column), loaded with videos allowed, and the step decodes each prompt's `ex.videos` (frames).
 
 From another benchmark: `sys.path.insert(0, "benchmarks"); import data_memory`, then
 `print(data_memory.report(data_memory.run_benchmark([2000, 20000]), [2000, 20000], 16))`.
@@ -46,21 +50,26 @@ DISTINCT_ROWS = 500
 WARM_UP_ROWS = 64
 
 
-def make_parquet(rows: int, workdir: Path) -> Path:
-    """`workdir/data_<rows>.parquet`, written once: DISTINCT_ROWS synthetic geometry3k rows, repeated."""
+def make_parquet(rows: int, workdir: Path, video: bool = False) -> Path:
+    """`workdir/data_<rows>.parquet`, written once: DISTINCT_ROWS synthetic geometry3k rows (with `video`:
+    video colour rows, `data_video_<rows>.parquet`), repeated."""
     from spmd_grpo.data.synthetic import synthetic_geo3k_rows, write_parquet
 
-    path = workdir / f"data_{rows}.parquet"
+    path = workdir / f"data_{'video_' if video else ''}{rows}.parquet"
     if not path.exists():
-        distinct = synthetic_geo3k_rows(DISTINCT_ROWS, seed=0)
+        if video:
+            from spmd_grpo.data.synthetic import video_color_task_examples as make
+        else:
+            make = synthetic_geo3k_rows
+        distinct = make(DISTINCT_ROWS, seed=0)
         write_parquet([distinct[i % DISTINCT_ROWS] for i in range(rows)], path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
     return path
 
 
-def pipeline(parquet: Path, processor, batch: int) -> tuple[list, list]:
+def pipeline(parquet: Path, processor, batch: int, video: bool = False) -> tuple[list, list]:
     """The data pipeline of one rank at world size 1: load the rows, draw one step's prompts, decode their
-    images. Returns (examples, [(prompt token ids, images)] of the step)."""
+    images (and videos). Returns (examples, [(prompt token ids, images + video frames)] of the step)."""
     from dataclasses import replace
 
     # Names both package layouts export (`--before` may measure a commit of the flat layout).
@@ -73,14 +82,21 @@ def pipeline(parquet: Path, processor, batch: int) -> tuple[list, list]:
         from spmd_grpo.sampler import PromptSampler
 
     cfg = replace(DataConfig(), train_files=str(parquet), rollout_batch_size=batch)
-    examples = load_dataset(cfg, processor, "train")
+    if not video:
+        examples = load_dataset(cfg, processor, "train")
+    else:
+        cfg = replace(cfg, video_min_pixels=3136, video_max_pixels=3136)
+        examples = load_dataset(cfg, processor, "train", limit_videos=1)
     sampler = PromptSampler(len(examples), batch, 0, 1, seed=cfg.seed, shuffle=True)
+    media = (
+        (lambda ex: ex.images + [f for v in ex.videos for f in v.frames]) if video else (lambda ex: ex.images)
+    )
     return examples, [
-        (examples[pos].prompt_token_ids, examples[pos].images) for _, pos in sampler.next_batch()
+        (examples[pos].prompt_token_ids, media(examples[pos])) for _, pos in sampler.next_batch()
     ]
 
 
-def measure(parquet: Path, model_dir: Path, batch: int) -> dict:
+def measure(parquet: Path, model_dir: Path, batch: int, video: bool = False) -> dict:
     """In this (fresh) process: base RSS, then the data pipeline's peak and what it keeps (bytes)."""
     import transformers
 
@@ -88,15 +104,21 @@ def measure(parquet: Path, model_dir: Path, batch: int) -> dict:
 
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
     # A warm-up run on a small file pays the first-use imports, caches and code pages (not per-row costs).
-    pipeline(parquet.with_name(f"data_{WARM_UP_ROWS}.parquet"), processor, batch)
+    warm_up = f"data_{'video_' if video else ''}{WARM_UP_ROWS}.parquet"
+    pipeline(parquet.with_name(warm_up), processor, batch, video)
     release_free_memory()
     base = proc_mem()["VmRSS"]
     reset_peak_rss()
     start = time.perf_counter()
-    examples, prompts = pipeline(parquet, processor, batch)
+    examples, prompts = pipeline(parquet, processor, batch, video)
     seconds = time.perf_counter() - start
     peak = proc_mem()["VmHWM"]
-    pixels = sum(im.width * im.height for _, images in prompts for im in images)
+    # a PIL image (width x height) or a video frame (an [H, W, 3] array)
+    pixels = sum(
+        im.width * im.height if hasattr(im, "width") else im.shape[0] * im.shape[1]
+        for _, media in prompts
+        for im in media
+    )
     del prompts
     release_free_memory()
     kept = proc_mem()["VmRSS"] - base
@@ -112,10 +134,18 @@ def measure(parquet: Path, model_dir: Path, batch: int) -> dict:
     }
 
 
-def run_child(code_root: Path, parquet: Path, model_dir: Path, batch: int) -> dict:
+def run_child(code_root: Path, parquet: Path, model_dir: Path, batch: int, video: bool = False) -> dict:
     """`measure` in a fresh interpreter that imports `spmd_grpo` from `code_root`."""
     env = {**os.environ, "PYTHONPATH": str(code_root), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--child", str(parquet), str(model_dir), str(batch)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(parquet),
+        str(model_dir),
+        str(batch),
+        *(["--video"] * video),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=code_root)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -160,6 +190,7 @@ def run_benchmark(
     before: str | None = None,
     workdir: Path = REPO / ".cache" / "bench_data",
     model_dir: Path | None = None,
+    video: bool = False,
 ) -> list[dict]:
     """One fresh process per (code, size): the current package, then (with `before`) the one at that git
     commit. Returns one dict per measurement (bytes); `report` prints them. Other benchmarks call this."""
@@ -167,7 +198,7 @@ def run_benchmark(
 
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = model_dir or cached_tiny_model(REPO / ".cache", TinyModelSpec())
-    parquets = {n: make_parquet(n, workdir) for n in [WARM_UP_ROWS, *sizes]}
+    parquets = {n: make_parquet(n, workdir, video) for n in [WARM_UP_ROWS, *sizes]}
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         codes = {"current": REPO}
@@ -175,7 +206,7 @@ def run_benchmark(
             codes[f"before {before[:7]}"] = checkout(before, Path(scratch))
         for code, root in codes.items():
             for n in sizes:
-                result = run_child(root, parquets[n], model_dir, batch)
+                result = run_child(root, parquets[n], model_dir, batch, video)
                 results.append({"code": code, "size": n, **result})
                 print(f"{code} {n} rows: {json.dumps(result)}", file=sys.stderr, flush=True)
     return results
@@ -191,10 +222,16 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench_data")
     parser.add_argument("--model-dir", type=Path, help="processor to tokenize with (default: the tiny model)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--video", action="store_true", help="video colour rows instead of geometry3k rows")
     args = parser.parse_args()
     sizes = sorted(int(n) for n in args.rows.split(","))
     results = run_benchmark(
-        sizes, batch=args.batch, before=args.before, workdir=args.workdir, model_dir=args.model_dir
+        sizes,
+        batch=args.batch,
+        before=args.before,
+        workdir=args.workdir,
+        model_dir=args.model_dir,
+        video=args.video,
     )
     print(report(results, sizes, args.batch))
     if args.out:
@@ -203,6 +240,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        print(json.dumps(measure(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))))
+        video = sys.argv[5:6] == ["--video"]
+        print(json.dumps(measure(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), video)))
     else:
         main()

@@ -52,12 +52,13 @@ from spmd_grpo.algorithm.advantage import compute_batch_std_advantages, compute_
 from spmd_grpo.algorithm.reward import load_reward_function, overlong_penalty, score_samples
 from spmd_grpo.config.schema import Config
 from spmd_grpo.data.dataset import load_dataset
+from spmd_grpo.data.prompts import processor_kwargs_for
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy, build_reference
 from spmd_grpo.rollout.dynamic_sampling import collect_groups
 from spmd_grpo.rollout.engine import RolloutEngine
-from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, generate
+from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, attach_video_inputs, generate
 from spmd_grpo.rollout.validation import VAL_SEED_OFFSET, validate
 from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
 from spmd_grpo.run.lineage import abandon_branch, agree_on_start
@@ -100,6 +101,8 @@ class Trainer:
         )
         shard = dict(rank=world.rank, world_size=world.world_size, all_gather=D.all_gather_objects)
         shard["limit_images"] = cfg.worker.rollout.limit_images  # more images: skipped, vLLM would refuse
+        shard["limit_videos"] = cfg.worker.rollout.limit_videos
+        self.processor_kwargs = processor_kwargs_for(d, self.processor, cfg.worker.rollout.limit_videos)
         self.dataset = load_dataset(
             d, self.processor, "train", **shard
         )  # rows checked once, split over ranks
@@ -208,6 +211,14 @@ class Trainer:
             log.warning(
                 "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
             )
+        if (
+            self.cfg.worker.actor.reuse_image_features
+            and self.cfg.worker.rollout.limit_videos
+            and self.world.is_main
+        ):
+            log.warning(
+                "worker.actor.reuse_image_features ignored with videos: images are encoded in every forward"
+            )
         self.loggers = build_loggers(
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )
@@ -253,12 +264,13 @@ class Trainer:
         # than float32 pixel values) and dropped groups are never processed.
         with timer("pixel_values"):
             attach_pixel_values(samples, self.processor.image_processor)
+            attach_video_inputs(samples, self.processor, self.processor_kwargs)
         return samples, metrics
 
     def _generate_and_score(self, step: int, gen_batch: int, timer: Timer) -> list[Sample]:
         """One generation batch: this rank's next prompts -> samples with reward scores (no pixel values yet)."""
         prompts = [
-            Prompt(uid, ex.prompt_token_ids, ex.images, ex.answer, {"data_source": ex.data_source})
+            Prompt(uid, ex.prompt_token_ids, ex.images, ex.answer, {"data_source": ex.data_source}, ex.videos)
             for uid, pos in self.sampler.next_batch()
             for ex in [self.dataset[pos]]
         ]

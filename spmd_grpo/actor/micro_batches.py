@@ -30,6 +30,7 @@ def collate_samples(
     *,
     packed: bool = False,
     tower_in_forward: bool = True,
+    video_in_forward: bool = False,
 ) -> SequenceBatch:
     """Prompt+response batch of rollout samples on `device`, right-padded or packed (padding-free), with
     their images: the precomputed features where `encode_images` attached them, else the pixels."""
@@ -42,6 +43,8 @@ def collate_samples(
         packed=packed,
         image_features=[s.image_features for s in samples],
         tower_in_forward=tower_in_forward,
+        video_inputs=[s.video_inputs for s in samples],
+        video_in_forward=video_in_forward,
     ).to(device)
 
 
@@ -54,12 +57,12 @@ def collate_for(
     model: nn.Module, samples: list[Sample], spec: UpdateSpec, *, for_update: bool
 ) -> SequenceBatch:
     """`samples` in the layout `model` was built for (packed when its attention has a varlen path), marked
-    with whether the pass's forwards run the vision tower (`UpdateSpec.tower_in_forward`)."""
+    with whether the pass's forwards run the vision tower (`UpdateSpec.tower_in_forward`) and on video
+    input (`UpdateSpec.videos`: in a run that allows videos, every forward does)."""
     device = next(model.parameters()).device
     tower = spec.tower_in_forward(family_of(model.config).reusable_image_features, for_update=for_update)
-    return collate_samples(
-        samples, spec.pad_token_id, device, packed=uses_packing(model), tower_in_forward=tower
-    )
+    flags = {"tower_in_forward": tower, "video_in_forward": spec.videos}
+    return collate_samples(samples, spec.pad_token_id, device, packed=uses_packing(model), **flags)
 
 
 def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:

@@ -47,10 +47,15 @@ class UpdateSpec:
     max_token_len_for_experience: int = 16384
     old_logprobs_from_update: bool = False
     """Take the old logprobs from the update's forward when the step is exactly on-policy."""
+    videos: bool = False
+    """The run allows videos (worker.rollout.limit_videos > 0): every forward runs the vision tower on video
+    input, a dummy one where its micro-batch has no video. Features are then never reused, images' neither
+    (`reuse_image_features` off): transformers refuses precomputed features beside video pixels."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, world_size: int, pad_token_id: int) -> UpdateSpec:
         a, alg = cfg.worker.actor, cfg.algorithm
+        reuse = a.reuse_image_features and cfg.worker.rollout.limit_videos == 0
         return cls(
             temperature=cfg.worker.rollout.temperature,
             pad_token_id=pad_token_id,
@@ -70,12 +75,15 @@ class UpdateSpec:
             kl_coef=alg.kl_coef,
             max_grad_norm=a.max_grad_norm,
             rollout_correction=CorrectionSpec(**dataclasses.asdict(alg.rollout_correction)),
-            reuse_image_features=a.reuse_image_features and a.model.freeze_vision_tower,
-            encode_once_per_pass=a.reuse_image_features and not a.model.freeze_vision_tower,
+            # transformers takes precomputed features only for every modality of a forward or none:
+            # with videos possible, images are encoded in the forward too.
+            reuse_image_features=reuse and a.model.freeze_vision_tower,
+            encode_once_per_pass=reuse and not a.model.freeze_vision_tower,
             dynamic_batching=a.dynamic_batching,
             max_token_len_for_update=a.max_token_len_per_device_for_update,
             max_token_len_for_experience=a.max_token_len_per_device_for_experience,
             old_logprobs_from_update=a.old_logprobs_from_update,
+            videos=cfg.worker.rollout.limit_videos > 0,
         )
 
     def tower_in_forward(self, reusable_features: bool, *, for_update: bool) -> bool:

@@ -82,7 +82,7 @@ BUILTIN_REWARDS = ("math", "color")
 """The reward names `spmd_grpo.algorithm.reward` resolves itself (the rest must be `path/file.py:function`)."""
 
 
-BUILTIN_DATASETS = ("color", "geo3k")
+BUILTIN_DATASETS = ("color", "geo3k", "video_color")
 """The `builtin:<task>` data sets `spmd_grpo.data.synthetic` generates."""
 
 

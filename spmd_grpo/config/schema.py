@@ -67,6 +67,23 @@ class DataConfig:
     """Validate on the first N examples of the validation set (-1: all)."""
     min_pixels: int = 3136
     max_pixels: int = 262144
+    video_key: str = "videos"
+    """Column of each row's videos: a list of file paths or encoded bytes (or {bytes, path}), one `<video>`
+    marker per video in the problem text. Frames are sampled and resized by qwen-vl-utils' rules (the five
+    keys below; None: the installed qwen-vl-utils' default, the pixel ones for the model's patch x merge)."""
+    video_fps: float | None = None
+    """Frames sampled per second of video (qwen_vl_utils FPS)."""
+    video_min_frames: int | None = None
+    """Fewest sampled frames (qwen_vl_utils FPS_MIN_FRAMES)."""
+    video_max_frames: int | None = None
+    """Most sampled frames (qwen_vl_utils FPS_MAX_FRAMES)."""
+    video_min_pixels: int | None = None
+    """Pixels per frame at least (qwen_vl_utils VIDEO_MIN_TOKEN_NUM x factor^2)."""
+    video_max_pixels: int | None = None
+    """Pixels per frame at most (qwen_vl_utils VIDEO_MAX_TOKEN_NUM x factor^2), lowered for long videos by
+    the total budget."""
+    video_total_pixels: int | None = None
+    """Pixels of all frames of a video together (qwen_vl_utils MODEL_SEQ_LEN x factor^2 x 0.9)."""
     shuffle: bool = True
     seed: int = 1
     max_bad_fraction: float = 0.1
@@ -84,7 +101,16 @@ class DataConfig:
             "min_pixels",
             "num_builtin_examples",
         )
-        require_nonempty(self, prefix, "train_files", "prompt_key", "answer_key", "image_key")
+        require_nonempty(self, prefix, "train_files", "prompt_key", "answer_key", "image_key", "video_key")
+        video_rules = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels")
+        for name in (f"video_{rule}" for rule in video_rules):
+            value = getattr(self, name)
+            require(value is None or value > 0, f"{prefix}{name} must be positive or null, got {value}")
+        low, high = self.video_min_frames, self.video_max_frames
+        require(
+            low is None or high is None or high >= low,
+            f"{prefix}video_max_frames ({high}) must be >= {prefix}video_min_frames ({low})",
+        )
         require_off_or_positive(self, prefix, "val_batch_size", "val_max_samples")
         require_at_least(self, prefix, 0, "seed")
         require(

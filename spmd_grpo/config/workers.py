@@ -108,7 +108,8 @@ class ActorConfig:
     block-diagonal mask (correct, not faster)."""
     reuse_image_features: bool = True
     """With model.freeze_vision_tower: encode each prompt's images once per step, reused by all its samples
-    and every trainer pass; ignored (images re-encoded in every forward) when the tower is trained."""
+    and every trainer pass; ignored (images re-encoded in every forward) when the tower is trained, and
+    when worker.rollout.limit_videos > 0 (transformers takes precomputed features for all modalities or none)."""
     dynamic_batching: bool = False
     """Micro-batches by token budget (the two keys below, prompt + response tokens per rank) instead of
     the micro_batch_size_* counts: balanced token sums, the same number of forwards on every rank."""
@@ -178,6 +179,9 @@ class RolloutConfig:
     max_num_seqs: int = 256
     limit_images: int = 1
     """Most images per prompt (vLLM's limit_mm_per_prompt)."""
+    limit_videos: int = 0
+    """Most videos per prompt (vLLM's limit_mm_per_prompt). 0: rows with a video are skipped at load, and
+    vLLM reserves nothing for video (it profiles memory with the largest allowed video at start-up)."""
     kv_cache_memory_gb: float = 1.0
     """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     weight_sync_bucket_mb: int = 512
@@ -195,6 +199,7 @@ class RolloutConfig:
             "max_num_seqs",
             "kv_cache_memory_gb",
         )
+        require_at_least(self, prefix, 0, "limit_videos")
         require(self.temperature > 0, f"{prefix}temperature must be > 0, got {self.temperature}")
         require(0 < self.top_p <= 1, f"{prefix}top_p must be in (0, 1], got {self.top_p}")
         require_top_k(prefix, self.top_k)

@@ -2,12 +2,13 @@
 
     sources.py    where rows come from: parquet files or directories, the hub, generated builtin tasks
     images.py     decoding and resizing images (and `BadRow`, the reason a row is skipped)
-    prompts.py    the chat template, `<image>` markers and the tokenized prompt
+    videos.py     decoding videos (PyAV), sampling and resizing frames by qwen-vl-utils' rules
+    prompts.py    the chat template, `<image>`/`<video>` markers, processor sizes and the tokenized prompt
     row_checks.py each row's checks at load (text, answer, images, special tokens)
     dataset.py    `load_dataset`: each rank checks its share of the rows, skipped rows are named
     sampler.py    `PromptSampler`: which data positions each rank rolls out at each step
     samples.py    `Prompt` and `Sample`: what flows from rollout to reward, advantages and the update
-    synthetic.py  the generated `builtin:` tasks (colour, geometry3k-schema diagrams) and `write_parquet`
+    synthetic.py  the generated `builtin:` tasks (colour, video colour, geometry3k diagrams), `write_parquet`
 
 The names below are imported on first use, so importing one module of the package stays light.
 """
@@ -36,6 +37,9 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "chat_messages",
             "Prompting",
             "check_text",
+            "processor_kwargs",
+            "processor_kwargs_for",
+            "with_video_metadata",
         ),
         "row_checks": (
             "KeptRow",
@@ -44,6 +48,14 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "check_share",
         ),
         "sampler": ("PromptSampler",),
+        "videos": (
+            "VIDEO_MARKER",
+            "Video",
+            "VideoRules",
+            "decode_video",
+            "encode_video",
+            "video_list",
+        ),
         "samples": (
             "Prompt",
             "Sample",
@@ -61,6 +73,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "COLOR_PROBLEM",
             "COLORS",
             "color_task_examples",
+            "VIDEO_COLOR_PROBLEM",
+            "video_color_task_examples",
             "synthetic_geo3k_rows",
             "ROW_GROUP_SIZE",
             "write_parquet",

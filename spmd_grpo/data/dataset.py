@@ -41,6 +41,11 @@ file's rows skipped is an error naming the file):
   * the tokenizer's special tokens written as text (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`,
     `<|image_pad|>`, `<|endoftext|>`, ...): skipped, not escaped; they would end the user turn early or give vLLM
     vision tokens without an image. In `data.system_prompt` they are an error.
+  * videos (`videos` column, `<video>` markers, `data.videos`): every video is decoded and sampled at load
+    (PyAV; qwen-vl-utils' rules), and the prompt's expanded length is the processor's own count; a video that
+    cannot be decoded, has no frame rate or fewer frames than one temporal patch, or more videos than
+    `limit_videos` (worker.rollout.limit_videos): skipped. Videos are read on demand like images
+    (`Example.videos`, the step's frames only).
   * `<image>` markers must match the images; more images than `limit_images` (worker.rollout.limit_images, the
     most vLLM accepts per prompt; it would fail the whole generate call): skipped, not truncated.
   * images: every PIL mode becomes RGB (`_to_rgb`: transparency on white, 16-bit grey scaled, float grey read
@@ -136,6 +141,12 @@ class Example:
         load; a failure now means the source changed since, and is a ValueError naming the file and row."""
         return self.source.images(self.row)
 
+    @property
+    def videos(self) -> list:
+        """The row's videos (`data.videos.Video`: sampled, resized frames and their metadata), decoded NOW
+        from the source, like `images`: frames are never held beyond the step that reads them."""
+        return self.source.videos(self.row)
+
 
 def load_dataset(
     cfg: DataConfig,
@@ -146,12 +157,14 @@ def load_dataset(
     world_size: int = 1,
     all_gather: AllGather = _single_process,
     limit_images: int | None = None,
+    limit_videos: int | None = None,
 ) -> list[Example]:
     """Read `cfg.train_files` (split "train") or `cfg.val_files` (split "val") into tokenized Examples.
 
     Each rank checks its contiguous share of the rows; `all_gather` (every rank's object in rank order; under
     torchrun `parallel.all_gather_objects`, called once by every rank) gives every rank the same Examples.
-    `limit_images` (worker.rollout.limit_images): rows with more images are skipped.
+    `limit_images` / `limit_videos` (worker.rollout.limit_images / limit_videos): rows with more images or
+    videos are skipped.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -164,7 +177,7 @@ def load_dataset(
         raise ValueError(f"world_size={world_size} needs an all_gather (parallel.all_gather_objects)")
     try:
         sources, unreadable = open_sources(source, cfg, split)
-        prompting = Prompting.for_load(cfg, processor, limit_images, log=rank == 0)
+        prompting = Prompting.for_load(cfg, processor, limit_images, log=rank == 0, limit_videos=limit_videos)
         for (
             s
         ) in sources:  # images are resized as this model's processor resizes them (28 or 32 pixels a token)

@@ -1,6 +1,7 @@
-"""Prompts: the chat messages of a row (text split at `<image>` markers), the optional jinja format template
-(`data.format_prompt`), the processor's pixel bounds, and `Prompting`, which tokenizes a row the way vLLM
-and the trainer both see it (one `<|image_pad|>` per image; vLLM expands it).
+"""Prompts: the chat messages of a row (text split at `<image>` and `<video>` markers), the optional jinja
+format template (`data.format_prompt`), the processor's pixel bounds, and `Prompting`, which tokenizes a row
+the way vLLM and the trainer both see it (one `<|image_pad|>` per image, one `<|video_pad|>` per video; vLLM
+expands them).
 """
 
 from __future__ import annotations
@@ -13,21 +14,23 @@ from typing import Any
 
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR, BadRow
+from spmd_grpo.data.videos import VIDEO_MARKER, VideoRules
 
 logger = logging.getLogger(__name__)
 
 
 IMAGE_MARKER = "<image>"
+_MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
 
 
 # ------------------------------------------------------------------------------------------ rows -> examples
 def chat_messages(text: str, cfg: DataConfig) -> list[dict]:
-    if IMAGE_MARKER in text:
+    if IMAGE_MARKER in text or VIDEO_MARKER in text:
         content: str | list[dict] = []
-        for i, piece in enumerate(text.split(IMAGE_MARKER)):
-            if i > 0:
-                content.append({"type": "image"})
-            if piece:
+        for piece in _MARKERS.split(text):
+            if piece in (IMAGE_MARKER, VIDEO_MARKER):
+                content.append({"type": piece.strip("<>")})
+            elif piece:
                 content.append({"type": "text", "text": piece})
     else:
         content = text  # a plain string renders with text-only chat templates too
@@ -83,9 +86,20 @@ class Prompting:
     factor: int  # pixels per image-token side of the processor's resize
     special_tokens: re.Pattern | None  # the tokenizer's special tokens as text
     limit_images: int | None  # most images per prompt the rollout engine accepts
+    video_pad_id: int = -1
+    video_rules: VideoRules | None = None
+    limit_videos: int | None = None  # most videos per prompt the rollout engine accepts
 
     @classmethod
-    def for_load(cls, cfg: DataConfig, processor, limit_images: int | None, *, log: bool) -> Prompting:
+    def for_load(
+        cls,
+        cfg: DataConfig,
+        processor,
+        limit_images: int | None,
+        *,
+        log: bool,
+        limit_videos: int | None = None,
+    ) -> Prompting:
         tokenizer = getattr(processor, "tokenizer", processor)
         image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         proc_min, proc_max, factor = _image_processor_bounds(processor)
@@ -103,22 +117,58 @@ class Prompting:
         if found:
             raise ValueError(f"data.system_prompt contains the special token {found.group()!r}")
         template = _load_template(cfg)
-        return cls(cfg, processor, tokenizer, template, image_pad_id, factor, special, limit_images)
+        video_pad_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        rules = VideoRules.of(cfg, factor)
+        return cls(
+            cfg, processor, tokenizer, template, image_pad_id, factor, special, limit_images,
+            video_pad_id, rules, limit_videos,
+        )  # fmt: skip
+
+    def processor_kwargs(self) -> dict:
+        """Per-modality processor arguments under which the processor's own resize of our (already resized)
+        images and frames is the identity, and frames are not resampled: what vLLM and the trainer pass."""
+        return processor_kwargs(self.cfg, None if self.limit_videos == 0 else self.video_rules)
 
 
-def check_text(text: str, num_images: int, prompting: Prompting) -> None:
+def processor_kwargs(cfg: DataConfig, rules: VideoRules | None) -> dict:
+    """The processor call's (and vLLM's `mm_processor_kwargs`) sizes: `size` for images when no video can
+    occur (rules None), else `images_kwargs` and `videos_kwargs` (a shared `size` would give frames the
+    image bounds). `size`, not min_pixels/max_pixels: transformers deprecates those as per-call kwargs."""
+    image_size = {"shortest_edge": cfg.min_pixels, "longest_edge": cfg.max_pixels}
+    if rules is None:
+        return {"size": image_size}
+    return {"images_kwargs": {"size": image_size}, "videos_kwargs": {"size": rules.processor_size()}}
+
+
+def processor_kwargs_for(cfg: DataConfig, processor, limit_videos: int) -> dict:
+    """`processor_kwargs` of a run: video sizes for this processor's factor where videos are allowed."""
+    factor = _image_processor_bounds(processor)[2]
+    return processor_kwargs(cfg, VideoRules.of(cfg, factor) if limit_videos else None)
+
+
+def with_video_metadata(kwargs: dict, videos: list) -> dict:
+    """`processor_kwargs` for a call with `videos` (`data.videos.Video`s): their metadata, and no frame
+    sampling (the frames are final)."""
+    videos_kwargs = dict(kwargs["videos_kwargs"], do_sample_frames=False)
+    videos_kwargs["video_metadata"] = [v.metadata for v in videos]
+    return dict(kwargs, videos_kwargs=videos_kwargs)
+
+
+def check_text(text: str, num_images: int, prompting: Prompting, num_videos: int = 0) -> None:
     """The prompt text against what vLLM and the chat template need: no special tokens written as text (they
-    would end the user turn early or add vision tokens vLLM has no image for), one `<image>` per image, no
-    more images than the rollout engine takes (vLLM rejects the request: the whole generate call fails)."""
+    would end the user turn early or add vision tokens vLLM has no image for), one `<image>` per image and
+    one `<video>` per video, no more images or videos than the rollout engine takes (vLLM rejects the
+    request: the whole generate call fails)."""
     found = prompting.special_tokens.search(text) if prompting.special_tokens else None
     if found:
         raise BadRow("text contains a special token", repr(found.group()))
-    num_markers = text.count(IMAGE_MARKER)
-    if num_markers != num_images:
-        raise BadRow(
-            f"{IMAGE_MARKER} markers do not match images", f"{num_markers} markers, {num_images} images"
-        )
-    if prompting.limit_images is not None and num_images > prompting.limit_images:
-        raise BadRow(
-            "more images than worker.rollout.limit_images", f"{num_images} > {prompting.limit_images}"
-        )
+    kinds = (
+        (IMAGE_MARKER, "images", num_images, prompting.limit_images),
+        (VIDEO_MARKER, "videos", num_videos, prompting.limit_videos),
+    )
+    for marker, what, count, limit in kinds:
+        num_markers = text.count(marker)
+        if num_markers != count:
+            raise BadRow(f"{marker} markers do not match {what}", f"{num_markers} markers, {count} {what}")
+        if limit is not None and count > limit:
+            raise BadRow(f"more {what} than worker.rollout.limit_{what}", f"{count} > {limit}")

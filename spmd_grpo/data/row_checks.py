@@ -1,5 +1,6 @@
-"""Each row's checks at load: the question and answer are text (or a finite number), the `<image>` markers
-match the images, no special token is in the text, every image decodes and resizes, and the templated prompt
+"""Each row's checks at load: the question and answer are text (or a finite number), the `<image>` and
+`<video>` markers match the images and videos, no special token is in the text, every image decodes and
+resizes, every video decodes into at least one temporal patch of sampled frames, and the templated prompt
 fits `data.max_prompt_length`. `check_share` runs them over one rank's share of the rows and returns the kept
 rows and the skipped ones with their reasons.
 """
@@ -14,8 +15,9 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from spmd_grpo.data.images import BadRow, decode_image, image_list, resized_size
-from spmd_grpo.data.prompts import Prompting, chat_messages, check_text
+from spmd_grpo.data.prompts import Prompting, chat_messages, check_text, with_video_metadata
 from spmd_grpo.data.sources import Rows, Unreadable
+from spmd_grpo.data.videos import Video, decode_video, video_list
 
 
 class KeptRow(NamedTuple):
@@ -83,29 +85,54 @@ def _answer(value: Any) -> str:
 
 
 def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, str, array, int]:
-    """(problem, answer, token ids, tokens after image expansion) of a good row; `BadRow` names a bad one.
-    Each image is decoded to check it, and dropped."""
+    """(problem, answer, token ids, tokens after image and video expansion) of a good row; `BadRow` names a
+    bad one. Each image and video is decoded to check it, and dropped."""
     problem = _text(values["problem"], "problem")
     if not problem.strip():
         raise BadRow("empty problem")
     answer = _answer(values["answer"])
-    if isinstance(values["images"], Unreadable):
-        raise values["images"].reason
-    images = image_list(values["images"])
+    for key in ("images", "videos"):
+        if isinstance(values[key], Unreadable):
+            raise values[key].reason
+    images, videos = image_list(values["images"]), video_list(values["videos"])
     template, cfg, factor = prompting.template, prompting.cfg, prompting.factor
     text = template.render(content=problem) if template is not None else problem
-    check_text(text, len(images), prompting)
-    expansion = 0
-    for image in images:
-        width, height = resized_size(decode_image(image, source.base_dir), cfg, factor)
-        expansion += (height // factor) * (width // factor) - 1
+    check_text(text, len(images), prompting, len(videos))
+    sizes = [resized_size(decode_image(image, source.base_dir), cfg, factor) for image in images]
+    decoded = [decode_video(video, source.base_dir, prompting.video_rules) for video in videos]
     prompt = prompting.processor.apply_chat_template(
         chat_messages(text, cfg), add_generation_prompt=True, tokenize=False
     )
     ids = prompting.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if ids.count(prompting.image_pad_id) != len(images):  # a chat template adding its own vision tokens
-        raise BadRow("prompt has more image tokens than images")
+    # a chat template adding its own vision tokens
+    if ids.count(prompting.image_pad_id) != len(images) or ids.count(prompting.video_pad_id) != len(videos):
+        raise BadRow("prompt has more image or video tokens than images and videos")
+    if decoded:
+        return problem, answer, array("i", ids), _expanded_length(prompt, source, values, decoded, prompting)
+    expansion = sum((height // factor) * (width // factor) - 1 for width, height in sizes)
     return problem, answer, array("i", ids), len(ids) + expansion
+
+
+def _expanded_length(
+    prompt: str, source: Rows, values: dict, videos: list[Video], prompting: Prompting
+) -> int:
+    """Prompt tokens after expansion, from the processor itself: a video's expansion is not a product of
+    its grid alone (Qwen3-VL writes a timestamp and vision start/end tokens around every temporal patch).
+    The processor's video grid must be our frames' own (its resize the identity), else the frames vLLM and
+    the trainer see would be resized a second time."""
+    images = source.decode_images(values["images"]) if values["images"] else None
+    enc = prompting.processor(
+        text=[prompt],
+        images=images,
+        videos=[v.frames for v in videos],
+        **with_video_metadata(prompting.processor_kwargs(), videos),
+    )
+    patch, temporal = prompting.factor // 2, prompting.video_rules.frame_factor
+    for video, grid in zip(videos, enc["video_grid_thw"], strict=True):
+        t, h, w = video.frames.shape[:3]
+        if [int(x) for x in grid] != [-(-t // temporal), h // patch, w // patch]:
+            raise BadRow("video resized by the processor", f"frames {t}x{h}x{w}, grid {list(grid)}")
+    return len(enc["input_ids"][0])
 
 
 def _read_guarded(source: Rows, start: int, stop: int) -> Iterator[tuple[int, dict] | str]:

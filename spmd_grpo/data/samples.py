@@ -20,6 +20,9 @@ class Prompt:
     images: list[Image.Image] = field(default_factory=list)
     ground_truth: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # data_source, problem text, ...
+    videos: list = field(
+        default_factory=list
+    )  # data.videos.Video: sampled frames + metadata, ONE <|video_pad|> each
 
 
 @dataclass
@@ -35,6 +38,9 @@ class Sample:
     finish_reason: str = "length"  # "stop" | "length"
     pixel_values: torch.Tensor | None = None  # trainer-side, same processor settings as vLLM
     image_grid_thw: torch.Tensor | None = None
+    video_inputs: dict[str, torch.Tensor] | None = None
+    """Trainer-side video inputs of the prompt: `pixel_values_videos`, `video_grid_thw` and, for Qwen2.5-VL,
+    `second_per_grid_ts` (the processor's outputs, same settings as vLLM's)."""
     image_features: tuple[torch.Tensor, ...] | None = None
     """Vision-tower output per image, shared by the prompt's samples for one step (actor.image_features.encode_images)."""
     gen_batch: int = 0  # which generation batch of the step produced it (DAPO may need several)

@@ -18,7 +18,8 @@ from PIL import Image
 from spmd_grpo.config.checks import BUILTIN_DATASETS, HUB_ID
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR, BadRow, decode_image, image_list, resize_image
-from spmd_grpo.data.synthetic import color_task_examples, synthetic_geo3k_rows
+from spmd_grpo.data.synthetic import color_task_examples, synthetic_geo3k_rows, video_color_task_examples
+from spmd_grpo.data.videos import Video, VideoRules, decode_video, video_list
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class Rows:
 
     `read(start, stop)` yields `(row, values)` for rows [start, stop) in order, holding at most a row group
     plus `ROW_BATCH` rows at a time; `values` is the normalised row {problem, answer, images, data_source}.
-    `raw_images(row)` is one row's image cell as stored. `images(row)` decodes and resizes it.
+    `raw_images(row)` is one row's image cell as stored. `images(row)` decodes and resizes it; `raw_videos`
+    and `videos` likewise for the video cell (frames sampled and resized, `data.videos`).
     """
 
     name: str  # for log lines and errors
@@ -54,31 +56,45 @@ class Rows:
     def raw_images(self, row: int) -> Any:
         raise NotImplementedError
 
+    def raw_videos(self, row: int) -> Any:
+        raise NotImplementedError
+
+    def decode_images(self, cell: Any) -> list[Image.Image]:
+        """An image cell's images, decoded and resized for this model."""
+        return [
+            resize_image(decode_image(im, self.base_dir), self.cfg, self.factor) for im in image_list(cell)
+        ]
+
     def images(self, row: int) -> list[Image.Image]:
         try:
-            images = image_list(self.raw_images(row))
-            return [
-                resize_image(decode_image(image, self.base_dir), self.cfg, self.factor) for image in images
-            ]
+            return self.decode_images(self.raw_images(row))
+        except BadRow as e:
+            raise ValueError(f"{self.name} row {row}: {e}, though it passed the check at load") from e
+
+    def videos(self, row: int) -> list[Video]:
+        try:
+            rules = VideoRules.of(self.cfg, self.factor)
+            return [decode_video(v, self.base_dir, rules) for v in video_list(self.raw_videos(row))]
         except BadRow as e:
             raise ValueError(f"{self.name} row {row}: {e}, though it passed the check at load") from e
 
 
-def _keys(cfg: DataConfig) -> tuple[str, str, str]:
-    return cfg.prompt_key, cfg.answer_key, cfg.image_key
+def _keys(cfg: DataConfig) -> tuple[str, str, str, str]:
+    return cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key
 
 
-def _normalise(row: dict, data_source: str, keys: tuple[str, str, str]) -> dict:
-    prompt_key, answer_key, image_key = keys
+def _normalise(row: dict, data_source: str, keys: tuple[str, str, str, str]) -> dict:
+    prompt_key, answer_key, image_key, video_key = keys
     return {
         "problem": row.get(prompt_key),
         "answer": row.get(answer_key),
         "images": row.get(image_key),
+        "videos": row.get(video_key),
         "data_source": row.get("data_source") or data_source,
     }
 
 
-def _arrow_rows(batch, first_row: int, data_source: str, keys: tuple[str, str, str]):
+def _arrow_rows(batch, first_row: int, data_source: str, keys: tuple[str, str, str, str]):
     """`(row, normalised values)` of an Arrow table or record batch whose first row is `first_row`."""
     names = batch.schema.names
     wanted = [*keys, "data_source"]
@@ -122,7 +138,7 @@ class _MemoryRows(Rows):
     """Generated rows (`builtin:` tasks), kept in memory with their encoded images."""
 
     def __init__(self, name: str, rows: list[dict], data_source: str, cfg: DataConfig) -> None:
-        keys = ("problem", "answer", "images")
+        keys = ("problem", "answer", "images", "videos")
         self.rows = [_normalise(row, data_source, keys) for row in rows]
         self.name, self.num_rows, self.index_offset, self.base_dir, self.cfg = name, len(rows), 0, None, cfg
 
@@ -132,23 +148,28 @@ class _MemoryRows(Rows):
     def raw_images(self, row: int) -> Any:
         return self.rows[row]["images"]
 
+    def raw_videos(self, row: int) -> Any:
+        return self.rows[row]["videos"]
+
 
 class _RowGroupCache:
-    """The image column of the most recently read parquet row group, shared by every file of one load."""
+    """The image (and video) column of the most recently read parquet row group, shared by every file of one
+    load: one row group per column."""
 
     def __init__(self) -> None:
-        self.key: tuple[Path, int] | None = None
-        self.column = None  # pyarrow ChunkedArray
+        self.keys: dict[str, tuple[Path, int]] = {}
+        self.columns: dict[str, Any] = {}  # column name -> pyarrow ChunkedArray
 
-    def get(self, path: Path, group: int, image_key: str):
-        if self.key != (path, group):
+    def get(self, path: Path, group: int, key: str):
+        if self.keys.get(key) != (path, group):
             import pyarrow.parquet as pq
 
-            self.key, self.column = None, None  # free the previous group before reading the next one
+            self.keys.pop(key, None)
+            self.columns.pop(key, None)  # free the previous group before reading the next one
             with pq.ParquetFile(path) as f:
-                self.column = f.read_row_group(group, columns=[image_key]).column(image_key)
-            self.key = (path, group)
-        return self.column
+                self.columns[key] = f.read_row_group(group, columns=[key]).column(key)
+            self.keys[key] = (path, group)
+        return self.columns[key]
 
 
 class _ParquetRows(Rows):
@@ -188,11 +209,17 @@ class _ParquetRows(Rows):
                     )
                 row += batch.num_rows
 
-    def raw_images(self, row: int) -> Any:
-        if self.cfg.image_key not in self.columns:
+    def _cell(self, row: int, key: str) -> Any:
+        if key not in self.columns:
             return None
         group = bisect_right(self.starts, row) - 1
-        return self.cache.get(self.path, group, self.cfg.image_key)[row - self.starts[group]].as_py()
+        return self.cache.get(self.path, group, key)[row - self.starts[group]].as_py()
+
+    def raw_images(self, row: int) -> Any:
+        return self._cell(row, self.cfg.image_key)
+
+    def raw_videos(self, row: int) -> Any:
+        return self._cell(row, self.cfg.video_key)
 
 
 def _image_chunk_bytes(group, image_key: str) -> Iterator[int]:
@@ -223,10 +250,16 @@ class _HubRows(Rows):
                 self.table[lo : min(lo + ROW_BATCH, stop)], lo, self.data_source, _keys(self.cfg)
             )
 
-    def raw_images(self, row: int) -> Any:
-        if self.cfg.image_key not in self.table.column_names:
+    def _cell(self, row: int, key: str) -> Any:
+        if key not in self.table.column_names:
             return None
-        return self.table[row : row + 1].column(self.cfg.image_key)[0].as_py()
+        return self.table[row : row + 1].column(key)[0].as_py()
+
+    def raw_images(self, row: int) -> Any:
+        return self._cell(row, self.cfg.image_key)
+
+    def raw_videos(self, row: int) -> Any:
+        return self._cell(row, self.cfg.video_key)
 
 
 def _open_parquet_files(files: list[Path], cfg: DataConfig) -> tuple[list[Rows], list[tuple[str, str]]]:
@@ -254,7 +287,11 @@ def open_sources(source: str, cfg: DataConfig, split: str) -> tuple[list[Rows], 
     seed = cfg.seed if split == "train" else cfg.seed + 1  # builtin validation rows differ from training rows
     if source.startswith("builtin:"):
         task = source.removeprefix("builtin:")
-        makers = {"color": color_task_examples, "geo3k": synthetic_geo3k_rows}
+        makers = {
+            "color": color_task_examples,
+            "geo3k": synthetic_geo3k_rows,
+            "video_color": video_color_task_examples,
+        }
         assert set(makers) == set(BUILTIN_DATASETS), "config.checks.BUILTIN_DATASETS lists other tasks"
         if task not in makers:
             raise ValueError(

@@ -6,6 +6,9 @@ also readable as data sources without a file:
   * `builtin:color` (`color_task_examples`): a 56x56 solid colour, answer one digit (red/green/blue/yellow
     -> 0/1/2/3); learnable, with tiny prompts (4 image tokens) for CPU tests and smoke runs.
   * `builtin:geo3k` (`synthetic_geo3k_rows`): a drawn diagram and a "Find x." question with a numeric answer.
+  * `builtin:video_color` (`video_color_task_examples`): a 2-second, 2-fps MPEG-4 video of 4 solid-colour
+    56x56 frames in the `videos` column; answer the digit of the LAST frame's colour (the earlier frames are
+    other colours drawn at random, so the answer needs the time axis).
 `write_parquet` writes such rows (or any rows in the schema) to a parquet file in row groups of 256 rows; the
 CLI `python -m spmd_grpo.tools.synthetic_data make-geo3k OUT.parquet [--rows N] [--seed S]` writes geo3k rows.
 """
@@ -40,6 +43,26 @@ def color_task_examples(n: int, seed: int) -> list[dict]:
         rows.append(
             {"problem": COLOR_PROBLEM, "answer": answer, "images": [{"bytes": _png(image), "path": None}]}
         )
+    return rows
+
+
+VIDEO_COLOR_PROBLEM = "<video>Which color is the last frame? Answer with one digit."
+VIDEO_COLOR_FRAMES = 4
+
+
+def video_color_task_examples(n: int, seed: int) -> list[dict]:
+    """`n` rows of the builtin video colour task: every frame one colour, the last frame's is the answer."""
+    from spmd_grpo.data.videos import encode_video
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        answer = rng.choice(sorted(COLORS))
+        others = [c for c in sorted(COLORS) if c != answer]
+        digits = [rng.choice(others) for _ in range(VIDEO_COLOR_FRAMES - 1)] + [answer]
+        frames = [Image.new("RGB", (56, 56), COLORS[d]) for d in digits]
+        video = {"bytes": encode_video(frames, fps=2), "path": None}
+        rows.append({"problem": VIDEO_COLOR_PROBLEM, "answer": answer, "images": None, "videos": [video]})
     return rows
 
 
@@ -90,7 +113,8 @@ ROW_GROUP_SIZE = 256
 
 
 def write_parquet(rows: list[dict], path: str | Path, *, row_group_size: int = ROW_GROUP_SIZE) -> Path:
-    """Write rows in the geometry3k schema; an image may be a PIL image, PNG/JPEG bytes, or {bytes, path}.
+    """Write rows in the geometry3k schema; an image may be a PIL image, PNG/JPEG bytes, or {bytes, path}; a
+    `videos` column is written when a row has videos (encoded bytes, a path, or {bytes, path}).
 
     Row groups hold `row_group_size` rows (256), small like Hugging Face's image parquet exports (~100 rows):
     a reader that needs one row's images reads that row's row group, so small groups keep random access cheap.
@@ -107,16 +131,20 @@ def write_parquet(rows: list[dict], path: str | Path, *, row_group_size: int = R
             return {"bytes": image.get("bytes"), "path": image.get("path")}
         raise TypeError(f"cannot write image of type {type(image).__name__}")
 
-    image_type = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
-    schema = pa.schema([("problem", pa.string()), ("answer", pa.string()), ("images", image_type)])
-    table = pa.table(
-        {
-            "problem": [row.get("problem") for row in rows],
-            "answer": [row.get("answer") for row in rows],
-            "images": [[image_struct(im) for im in row.get("images") or []] for row in rows],
-        },
-        schema=schema,
-    )
+    def video_struct(video: Any) -> dict:
+        return {"bytes": None, "path": video} if isinstance(video, str) else image_struct(video)
+
+    media_type = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    columns = {
+        "problem": (pa.string(), [row.get("problem") for row in rows]),
+        "answer": (pa.string(), [row.get("answer") for row in rows]),
+        "images": (media_type, [[image_struct(im) for im in row.get("images") or []] for row in rows]),
+    }
+    if any(row.get("videos") for row in rows):  # a video: bytes, a path, or {bytes, path}, like an image
+        videos = [[video_struct(v) for v in row.get("videos") or []] for row in rows]
+        columns["videos"] = (media_type, videos)
+    schema = pa.schema([(name, kind) for name, (kind, _) in columns.items()])
+    table = pa.table({name: values for name, (_, values) in columns.items()}, schema=schema)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path, row_group_size=row_group_size)

@@ -5,6 +5,7 @@
     weights.py    read each rank's slice of a safetensors checkpoint; FSDP -> Hugging Face parameter names
     attention.py  which attention kernel runs packed sequences, and the CPU variable-length sdpa path
     inputs.py     a micro-batch as the model takes it: padded or packed rows, image inputs, mrope positions
+    video_rope.py mrope positions of sequences with videos, by vLLM's rule (transformers 5.19's differs)
     policy.py     `PolicyModule`: logprobs and entropy of the response tokens, chunked over the vocabulary
 
 The names below are imported on first use, so importing one module of the package stays light.
@@ -67,6 +68,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "unsamplable_token_ids",
             "PolicyModule",
         ),
+        "video_rope": ("video_rope_index",),
         "weights": (
             "INDEX",
             "SAFETENSORS_DTYPES",

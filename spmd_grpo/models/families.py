@@ -121,11 +121,30 @@ class Family:
         return hf_model.model.language_model.layers
 
     @staticmethod
-    def position_ids(hf_model, input_ids, attention_mask, image_grid_thw):
-        """[3, B, L] mrope positions of right-padded prompt + response sequences (what vLLM uses)."""
+    def position_ids(
+        hf_model, input_ids, attention_mask, image_grid_thw, *, video_grid_thw=None, second_per_grid_ts=None
+    ):
+        """[3, B, L] mrope positions of right-padded prompt + response sequences (what vLLM uses). Without
+        videos: the model's `get_rope_index` (image pad tokens typed 1). With videos: `video_rope_index`,
+        vLLM's rule, where transformers 5.19 continues the text after a video at another position;
+        `second_per_grid_ts` (seconds per temporal patch) scales Qwen2.5-VL's video time axis (Qwen3-VL's
+        time is in the timestamp tokens of the text)."""
         import torch
 
-        mm_token_type_ids = (input_ids == hf_model.config.image_token_id).to(torch.int32)
+        config = hf_model.config
+        if video_grid_thw is not None:
+            from spmd_grpo.models.video_rope import video_rope_index
+
+            return video_rope_index(
+                config,
+                input_ids,
+                attention_mask,
+                image_grid_thw,
+                video_grid_thw,
+                second_per_grid_ts,
+                frames_split=config.model_type == "qwen3_vl",
+            )
+        mm_token_type_ids = (input_ids == config.image_token_id).to(torch.int32)
         position_ids, _ = hf_model.model.get_rope_index(
             input_ids,
             mm_token_type_ids=mm_token_type_ids,

@@ -6,7 +6,8 @@ Shapes: B sequences, L = padded prompt+response length, T = total tokens of a pa
 row of T valid tokens, `attention_mask=None`, 4-row position ids whose row 0 restarts at each sequence, which
 is how transformers detects the packing). `mrope_position_ids` computes Qwen-VL's 3-row mrope positions over
 the WHOLE prompt+response: given only input ids, transformers silently uses wrong positions for the
-response tokens. `ImageBatch` holds the pixel values and grids of the micro-batch's images.
+response tokens. `ImageBatch` holds the pixel values and grids of the micro-batch's images; a batch's
+videos travel as the processor's `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ class SequenceBatch:
     """Whether the forward runs the vision tower itself: True unless this pass's features were encoded before
     it (then no rank runs the tower in the pass). Decided by the pass from the config, so it is the same on
     every rank; with it and no pixels, the forward runs the tower on a dummy image (`PolicyModule`)."""
+    pixel_values_videos: torch.Tensor | None = None  # [num_video_patches, C*T*P*P], all videos in order
+    video_grid_thw: torch.Tensor | None = None  # [num_videos, 3] long
+    second_per_grid_ts: torch.Tensor | None = None  # [num_videos] float (Qwen2.5-VL's mrope time scale)
+    video_in_forward: bool = False
+    """Whether every forward runs the tower on video input (the run allows videos: the config decides, the
+    same on every rank): the model encodes images and videos in two tower calls, so a micro-batch without
+    a video runs the tower on a dummy video to keep the calls per forward equal across ranks."""
 
     @property
     def packed(self) -> bool:
@@ -48,10 +56,11 @@ class SequenceBatch:
 
     def to(self, device: torch.device) -> SequenceBatch:
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
-        kept = ("image_features", "tower_in_forward")
+        kept = ("image_features", "tower_in_forward", "video_in_forward")
         fields = {f: move(getattr(self, f)) for f in self.__dataclass_fields__ if f not in kept}
         feats = None if self.image_features is None else tuple(f.to(device) for f in self.image_features)
-        return SequenceBatch(**fields, image_features=feats, tower_in_forward=self.tower_in_forward)
+        flags = {"tower_in_forward": self.tower_in_forward, "video_in_forward": self.video_in_forward}
+        return SequenceBatch(**fields, image_features=feats, **flags)
 
 
 @dataclass
@@ -75,10 +84,13 @@ def collate(
     packed: bool = False,
     image_features: list[tuple[torch.Tensor, ...] | None] | None = None,
     tower_in_forward: bool = True,
+    video_inputs: list[dict[str, torch.Tensor] | None] | None = None,
+    video_in_forward: bool = False,
 ) -> SequenceBatch:
-    """`prompt + response` sequences, right-padded or (`packed`) back to back in one row; the images
-    concatenated in sequence order. With `image_features` (per sequence, None for one without images) the
-    batch carries the features instead of the pixels. `tower_in_forward`: see `SequenceBatch`."""
+    """`prompt + response` sequences, right-padded or (`packed`) back to back in one row; the images (and
+    `video_inputs`, per sequence: the processor's video outputs, None without videos) concatenated in
+    sequence order. With `image_features` (per sequence, None for one without images) the batch carries the
+    features instead of the pixels. `tower_in_forward`, `video_in_forward`: see `SequenceBatch`."""
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
     L, R, B = max(lengths), max(max(len(r) for r in response_ids), 1), len(prompt_ids)
     response_mask = torch.zeros((B, R), dtype=torch.float32)
@@ -106,7 +118,15 @@ def collate(
         sequence_lengths=torch.tensor(lengths, dtype=torch.long) if packed else None,
         image_features=tuple(feats) if feats else None,
         tower_in_forward=tower_in_forward,
+        video_in_forward=video_in_forward,
+        **_concat_videos([v for v in video_inputs or [] if v is not None]),
     )
+
+
+def _concat_videos(videos: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor | None]:
+    """The batch's video fields: each processor output concatenated over the sequences' videos."""
+    keys = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    return {k: torch.cat([v[k] for v in videos]) if videos and k in videos[0] else None for k in keys}
 
 
 def _padded_ids(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +150,14 @@ def mrope_position_ids(hf_model: nn.Module, batch: SequenceBatch) -> torch.Tenso
     """
     input_ids, attention_mask = _padded_ids(batch)
     family = family_of(hf_model.config)
-    position_ids = family.position_ids(hf_model, input_ids, attention_mask, batch.image_grid_thw)
+    position_ids = family.position_ids(
+        hf_model,
+        input_ids,
+        attention_mask,
+        batch.image_grid_thw,
+        video_grid_thw=batch.video_grid_thw,
+        second_per_grid_ts=batch.second_per_grid_ts,
+    )
     if not batch.packed:
         return position_ids
     mrope = position_ids[:, attention_mask.bool()]  # [3, T], sequence by sequence

@@ -8,7 +8,8 @@ attention_mask and the images, transformers 5.x silently uses wrong positions fo
 (per-token logprob errors of 1-18 nats against vLLM, measured on a tiny Qwen2.5-VL in fp32, no warning).
 We compute `position_ids` [3, B, L] explicitly, as the model's family says (`families.Family.position_ids`:
 the model's `get_rope_index` with `mm_token_type_ids`, 1 on image pad tokens, 0 elsewhere, response
-included), and pass them in.
+included; with videos, `models.video_rope`, vLLM's rule), and pass them in. Video inputs
+(`pixel_values_videos`, `video_grid_thw`, Qwen2.5-VL's `second_per_grid_ts`) go to the model as they are.
 
 Padding-free (`worker.actor.padding_free`): a micro-batch's sequences are packed back to back into one row
 with no attention mask, and the positions get a 4th row (first) of plain per-sequence text positions.
@@ -125,15 +126,23 @@ class PolicyModule(nn.Module):
         if isinstance(batch, ImageBatch):
             return self.hf.model.get_image_features(batch.pixel_values, batch.image_grid_thw).pooler_output
         # Before the language model, where a micro-batch with pixels runs the tower: FSDP gathers the
-        # vision blocks and the decoder layers in the same order on every rank.
-        idle = None
+        # vision blocks and the decoder layers in the same order on every rank. The model runs the tower
+        # once for the images and once for the videos: each missing call is made here on a dummy input.
+        idle = []
         if batch.tower_in_forward and batch.pixel_values is None:
-            idle = self._idle_tower(batch.input_ids.device)
+            idle.append(self._idle_tower(batch.input_ids.device, self.hf.model.get_image_features))
+        if batch.video_in_forward and batch.pixel_values_videos is None:
+            idle.append(self._idle_tower(batch.input_ids.device, self.hf.model.get_video_features))
         precomputed = None
         if batch.image_features is not None:
             from transformers.modeling_outputs import BaseModelOutputWithPooling
 
             precomputed = {"image": BaseModelOutputWithPooling(pooler_output=batch.image_features)}
+        videos = {}
+        if batch.pixel_values_videos is not None:
+            videos = dict(pixel_values_videos=batch.pixel_values_videos, video_grid_thw=batch.video_grid_thw)
+            if batch.second_per_grid_ts is not None:
+                videos["second_per_grid_ts"] = batch.second_per_grid_ts
         out = self.hf.model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -142,16 +151,18 @@ class PolicyModule(nn.Module):
             image_grid_thw=batch.image_grid_thw,
             mm_encoder_outputs=precomputed,
             use_cache=False,
+            **videos,
         )
         logprobs, entropy = self._response_logprobs(out.last_hidden_state, batch, temperature, with_entropy)
-        if idle is not None:
-            logprobs, entropy = logprobs + idle, entropy + idle
+        for zero in idle:
+            logprobs, entropy = logprobs + zero, entropy + zero
         return logprobs, entropy
 
-    def _idle_tower(self, device: torch.device) -> torch.Tensor:
-        """The vision tower run on a dummy image, as 0: for a micro-batch without pixels in a pass whose
-        forwards run the tower (text-only prompts, a padding micro-batch), while other ranks' micro-batches
-        hold images. FSDP2 gathers each sharded vision block in its forward, and with a trained tower
+    def _idle_tower(self, device: torch.device, encode) -> torch.Tensor:
+        """The vision tower run on a dummy image (`encode`: the model's `get_image_features`, or
+        `get_video_features` for a one-temporal-patch dummy video), as 0: for a micro-batch without pixels
+        (or without a video, in a run that allows videos) in a pass whose forwards run the tower (text-only
+        prompts, a padding micro-batch), while other ranks' micro-batches hold images (or videos). FSDP2 gathers each sharded vision block in its forward, and with a trained tower
         reduce-scatters its gradients in the backward, on every rank together; skipping the tower here
         would leave the other ranks waiting in those collectives ("Received data size doesn't match" on
         gloo, a hang on nccl). Every output of the tower (Qwen3-VL's DeepStack features too) enters the
@@ -160,9 +171,10 @@ class PolicyModule(nn.Module):
         Cost: one more tower forward (and backward) per such micro-batch, on a 2 x 2-patch image. For
         Qwen2.5-VL-7B (675M-parameter tower, 32 blocks) the compute is negligible (~4 patch tokens: ~5
         GFLOP); the price is the collectives the rank would have run with an image anyway: the tower's
-        all-gather (~1.35 GB in bf16) and, when trained, its gradient reduce-scatter."""
+        all-gather (~1.35 GB in bf16) and, when trained, its gradient reduce-scatter. A run that allows
+        videos pays this twice for a text-only micro-batch (a dummy image and a dummy video)."""
         dummy = dummy_image(self.config).to(device)
-        out = self.hf.model.get_image_features(dummy.pixel_values, dummy.image_grid_thw)
+        out = encode(dummy.pixel_values, dummy.image_grid_thw)
         return sum(t.float().sum() for t in _tensors(out)) * 0.0
 
     def _response_logprobs(

@@ -157,9 +157,11 @@ def llm_kwargs(
     max_model_len: int,
     min_pixels: int,
     max_pixels: int,
+    mm_processor_kwargs: dict | None = None,
 ) -> dict:
     """The `vllm.LLM` arguments that come from the config alone (the engine adds the rank's seed, the dtype,
-    sleep mode and the logits processor)."""
+    sleep mode and the logits processor). `mm_processor_kwargs`: the processor sizes of `data.prompts.
+    processor_kwargs` (default: images only, within [min_pixels, max_pixels])."""
     # Seeded requests + chunked prefill crash on CPU ("CPU Generator does not use offset"); with chunked
     # prefill off, one scheduler step must hold the largest prompt.
     return dict(
@@ -174,11 +176,27 @@ def llm_kwargs(
         max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
         max_num_seqs=cfg.max_num_seqs,
         enable_chunked_prefill=False,
-        limit_mm_per_prompt={"image": cfg.limit_images, "video": 0},
+        limit_mm_per_prompt={"image": cfg.limit_images, "video": cfg.limit_videos},
         # `size`, not min_pixels/max_pixels: transformers deprecates those as per-call processor kwargs.
-        mm_processor_kwargs={"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
+        mm_processor_kwargs=mm_processor_kwargs
+        or {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
         logprobs_mode="processed_logprobs",
     )
+
+
+def _processor_kwargs(cfg: Config) -> dict:
+    """The processor sizes the trainer uses too (`data.prompts.processor_kwargs`): images only unless the
+    run allows videos, then per modality with the video budget of the model's patch x merge factor."""
+    from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR
+    from spmd_grpo.data.prompts import processor_kwargs
+    from spmd_grpo.data.videos import VideoRules
+    from spmd_grpo.models.families import family_of_model_path
+
+    if not cfg.worker.rollout.limit_videos:
+        return processor_kwargs(cfg.data, None)
+    family = family_of_model_path(cfg.worker.actor.model.model_path)
+    factor = family.image_factor if family is not None else DEFAULT_IMAGE_FACTOR
+    return processor_kwargs(cfg.data, VideoRules.of(cfg.data, factor))
 
 
 class RolloutEngine:
@@ -197,6 +215,7 @@ class RolloutEngine:
         seed: int,
         tie_word_embeddings: bool,
         trust_remote_code: bool = False,
+        mm_processor_kwargs: dict | None = None,
     ) -> None:
         from vllm import LLM
 
@@ -218,6 +237,7 @@ class RolloutEngine:
                 max_model_len=max_model_len,
                 min_pixels=min_pixels,
                 max_pixels=max_pixels,
+                mm_processor_kwargs=mm_processor_kwargs,
             ),
             seed=seed + world.rank // self.tp,
             dtype=dtype,
@@ -244,6 +264,7 @@ class RolloutEngine:
             seed=cfg.trainer.seed,
             tie_word_embeddings=tie_word_embeddings,
             trust_remote_code=cfg.worker.actor.model.trust_remote_code,
+            mm_processor_kwargs=_processor_kwargs(cfg),
         )
 
     def settings(self) -> dict:
@@ -258,6 +279,7 @@ class RolloutEngine:
             "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
             "max_num_seqs": vc.scheduler_config.max_num_seqs,
             "limit_images": vc.model_config.multimodal_config.get_limit_per_prompt("image"),
+            "limit_videos": vc.model_config.multimodal_config.get_limit_per_prompt("video"),
         }
 
     # ----------------------------------------------------------------------------------- sleep / wake

@@ -100,8 +100,9 @@ def generate_for_group(
     for slot, rank_prompts in enumerate(group_prompts):
         for p in rank_prompts:
             data = {"prompt_token_ids": p.prompt_token_ids}
-            if p.images:
-                data["multi_modal_data"] = {"image": list(p.images)}
+            media = {"image": list(p.images), "video": [v.for_vllm() for v in p.videos]}
+            if p.images or p.videos:  # frames with the metadata Qwen3-VL's timestamps and mrope read
+                data["multi_modal_data"] = {kind: items for kind, items in media.items() if items}
             for k in range(sampling.n):
                 requests.append(TokensPrompt(**data))
                 params.append(
@@ -127,9 +128,45 @@ def attach_pixel_values(samples: list[Sample], image_processor) -> None:
     object: after DAPO rebalancing one uid can name prompts of several generation batches)."""
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for s in samples:
-        if not s.prompt.images:
+        if not s.prompt.images or s.prompt.videos:  # with videos: `attach_video_inputs` does both
             continue
         if id(s.prompt) not in cache:
             enc = image_processor(images=s.prompt.images, return_tensors="pt")
             cache[id(s.prompt)] = (enc["pixel_values"], enc["image_grid_thw"])
         s.pixel_values, s.image_grid_thw = cache[id(s.prompt)]
+
+
+def attach_video_inputs(samples: list[Sample], processor, processor_kwargs: dict) -> None:
+    """Trainer-side inputs of prompts with videos, once per prompt and shared by its samples, from the
+    processor vLLM runs with the same sizes and metadata (`data.prompts.processor_kwargs`): a prompt's
+    images and videos go through one call, so `pixel_values`/`image_grid_thw` are replaced too, and the
+    video's `pixel_values_videos`, `video_grid_thw` and (Qwen2.5-VL) `second_per_grid_ts` are kept. The
+    call's text (one pad token per image and video) only places them; its ids are dropped (the samples'
+    prompt ids are vLLM's)."""
+    from spmd_grpo.data.prompts import with_video_metadata
+
+    cache: dict[int, tuple] = {}
+    for s in samples:
+        p = s.prompt
+        if not p.videos:
+            continue
+        if id(p) not in cache:
+            text = processor.image_token * len(p.images) + processor.video_token * len(p.videos)
+            enc = processor(
+                text=[text],
+                images=list(p.images) or None,
+                videos=[v.frames for v in p.videos],
+                return_tensors="pt",
+                **with_video_metadata(processor_kwargs, p.videos),
+            )
+            video = {k: enc[k] for k in VIDEO_INPUTS if k in enc}
+            if "second_per_grid_ts" in video:
+                video["second_per_grid_ts"] = torch.as_tensor(
+                    video["second_per_grid_ts"], dtype=torch.float32
+                )
+            cache[id(p)] = (enc.get("pixel_values"), enc.get("image_grid_thw"), video)
+        s.pixel_values, s.image_grid_thw, s.video_inputs = cache[id(p)]
+
+
+VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+"""The processor outputs of a prompt's videos the model's forward takes."""

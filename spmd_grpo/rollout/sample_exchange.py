@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.data.videos import Video
 from spmd_grpo.parallel.collectives import World, exchange_bytes
 
 # ------------------------------------------------------------------------------- samples as raw bytes
@@ -25,6 +26,9 @@ TENSOR_FIELDS = ("pixel_values", "image_grid_thw", "old_logprobs", "ref_logprobs
 
 
 TENSOR_TUPLE_FIELDS = ("image_features",)
+
+
+TENSOR_DICT_FIELDS = ("video_inputs",)
 
 
 SCALAR_FIELDS = (
@@ -66,7 +70,8 @@ class _Packer:
 
     def prompt(self, p: Prompt) -> tuple:
         ids = self.tensor(torch.tensor(p.prompt_token_ids, dtype=torch.int64))
-        return (p.uid, ids, [self.image(img) for img in p.images], p.ground_truth, p.extra)
+        videos = [(self.tensor(torch.from_numpy(v.frames)), v.metadata) for v in p.videos]
+        return (p.uid, ids, [self.image(img) for img in p.images], p.ground_truth, p.extra, videos)
 
     def sample(self, s: Sample, prompt_index: int) -> dict:
         out = {name: getattr(s, name) for name in SCALAR_FIELDS}
@@ -78,6 +83,9 @@ class _Packer:
         for name in TENSOR_TUPLE_FIELDS:
             value = getattr(s, name)
             out[name] = None if value is None else tuple(self.tensor(t) for t in value)
+        for name in TENSOR_DICT_FIELDS:
+            value = getattr(s, name)
+            out[name] = None if value is None else {k: self.tensor(t) for k, t in value.items()}
         out["prompt"] = prompt_index
         return out
 
@@ -131,8 +139,15 @@ def _unpack(segment: torch.Tensor) -> list[tuple[int, Sample]]:
         return img
 
     prompts = [
-        Prompt(uid, tensor(ids).tolist(), [image(i) for i in images], ground_truth, extra)
-        for uid, ids, images, ground_truth, extra in header_prompts
+        Prompt(
+            uid,
+            tensor(ids).tolist(),
+            [image(i) for i in images],
+            ground_truth,
+            extra,
+            [Video(tensor(frames).numpy(), metadata) for frames, metadata in videos],
+        )
+        for uid, ids, images, ground_truth, extra, videos in header_prompts
     ]
     out = []
     for pos, fields in header_samples:
@@ -142,6 +157,8 @@ def _unpack(segment: torch.Tensor) -> list[tuple[int, Sample]]:
             kwargs[name] = None if fields[name] is None else tensor(fields[name])
         for name in TENSOR_TUPLE_FIELDS:
             kwargs[name] = None if fields[name] is None else tuple(map(tensor, fields[name]))
+        for name in TENSOR_DICT_FIELDS:
+            kwargs[name] = None if fields[name] is None else {k: tensor(r) for k, r in fields[name].items()}
         out.append((pos, Sample(prompt=prompts[fields["prompt"]], **kwargs)))
     return out
 

@@ -45,23 +45,15 @@ def validate(
     num_logged: int,
     batch_size: int = -1,
 ) -> dict[str, float]:
-    """Generate and score this rank's share of `examples`; returns the global metrics (collective)."""
-    prompts = [
-        Prompt(
-            i,
-            ex.prompt_token_ids,
-            ex.images,
-            ex.answer,
-            {"data_source": ex.data_source, "problem": ex.problem},
-        )
-        for i in range(world.rank, len(examples), world.world_size)
-        for ex in [examples[i]]
-    ]
-    samples = [
-        sample
-        for batch in _batches(prompts, len(examples), world.world_size, batch_size)
-        for sample in generate(engine, batch, sampling, step=step, tp_group=tp_group)
-    ]
+    """Generate and score this rank's share of `examples`; returns the global metrics (collective). Images
+    and video frames are decoded one generation batch at a time and dropped after it."""
+    mine = list(range(world.rank, len(examples), world.world_size))
+    samples = []
+    for batch in _batches(mine, len(examples), world.world_size, batch_size):
+        prompts = [_prompt(i, examples[i]) for i in batch]
+        samples += generate(engine, prompts, sampling, step=step, tp_group=tp_group)
+        for p in prompts:  # the samples keep their prompt: not its pixels
+            p.images, p.videos = [], []
     rewards = score_samples(
         reward_fn,
         [s.reward_input() for s in samples],
@@ -74,16 +66,19 @@ def validate(
     return metrics
 
 
-def _batches(
-    prompts: list[Prompt], num_examples: int, world_size: int, batch_size: int
-) -> list[list[Prompt]]:
-    """This rank's `prompts` in generation batches of `batch_size` prompts over all ranks (<= 0: one batch). The
+def _prompt(index: int, ex: Example) -> Prompt:
+    extra = {"data_source": ex.data_source, "problem": ex.problem}
+    return Prompt(index, ex.prompt_token_ids, ex.images, ex.answer, extra, ex.videos)
+
+
+def _batches(indexes: list[int], num_examples: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """This rank's example `indexes` in generation batches of `batch_size` prompts over all ranks (<= 0: one batch). The
     number of batches depends only on the set size and the world, so it is the same on every rank."""
     if batch_size <= 0:
-        return [prompts]
+        return [indexes]
     per_rank = math.ceil(batch_size / world_size)
     num_batches = max(1, math.ceil(math.ceil(num_examples / world_size) / per_rank))
-    return [prompts[i * per_rank : (i + 1) * per_rank] for i in range(num_batches)]
+    return [indexes[i * per_rank : (i + 1) * per_rank] for i in range(num_batches)]
 
 
 def _metrics(samples: list[Sample], rewards: dict[str, torch.Tensor], n: int) -> dict[str, float]:

@@ -1,11 +1,12 @@
 """Any mix of modalities on any rank (2 ranks, real torchrun, gloo, FSDP2, fp32): text-only prompts, one
-image, three images and zero-weight padding micro-batches, on different ranks in the same micro-batch slot,
-for every family, padded and packed, trained and frozen vision tower (tests/jobs/mixed_modalities.py).
+image, three images, a video, an image and a video in one prompt, and zero-weight padding micro-batches, on
+different ranks in the same micro-batch slot, for every family, padded and packed, trained and frozen vision
+tower (tests/jobs/mixed_modalities.py).
 
 No collective may mismatch (gloo: "Received data size doesn't match"), the forward-only pass must give each
 sample the logprobs it gets alone in a plain single-process model, and the update's gradient must be finite.
-The negative control removes the mechanism (`PolicyModule._idle_tower`, the dummy tower call of a
-micro-batch without pixels) and expects the job to fail.
+The negative controls remove the mechanism (`PolicyModule._idle_tower`, the dummy tower call of a
+micro-batch without pixels), or only its dummy video call, and expect the job to fail.
 """
 
 import json
@@ -41,10 +42,26 @@ def test_every_composition_on_every_rank(family, tmp_path):
         0,
     ]  # three padding micro-batches beside rank 0's images
     assert any(0 in r["random-trained-padded"]["images"] for r in ranks)
+    mixes = [
+        list(zip(r["random-trained-padded"]["images"], r["random-trained-padded"]["videos"], strict=True))
+        for r in ranks
+    ]
+    assert {(1, 1), (0, 1), (3, 0), (1, 0), (0, 0)} <= set(mixes[0] + mixes[1]), mixes
+    assert any((a[1] > 0) != (b[1] > 0) for a, b in zip(*mixes, strict=True)), (
+        mixes
+    )  # a video beside none, same slot
+    # rank 1's padding micro-batches (and its one image-only sample) beside rank 0's videos
+    assert ranks[1]["random-trained-padded"]["micro_batch_sizes"][1] == [1, 0, 0, 0]
+    assert mixes[0][0] == (1, 1) and mixes[1][0] == (1, 0)
 
 
-def test_without_the_mechanism_the_ranks_disagree(tmp_path):
-    proc = torchrun([JOB, str(tiny_model()), str(tmp_path / "out"), "--without-idle-tower"], check=False)
+@pytest.mark.parametrize(
+    "removed",
+    [["--without-idle-tower"], ["--without-idle-video", "--scenarios", "random"]],
+    ids=["tower", "video"],
+)
+def test_without_the_mechanism_the_ranks_disagree(removed, tmp_path):
+    proc = torchrun([JOB, str(tiny_model()), str(tmp_path / "out"), *removed], check=False)
     assert proc.returncode != 0
     assert "Received data size doesn't match" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[
         -3000:

@@ -1,6 +1,7 @@
 """The rows a real data set can hold, through the real training entry point (2 ranks, torchrun, FSDP2, vLLM):
 images of every PIL mode and tiny sizes, odd Unicode with NUL characters, numeric answers, two images per
-prompt, a text-only prompt, among bad rows and a corrupt file. The kept rows all go through vLLM (validation
+prompt, a text-only prompt, a video and an image + video prompt (a run that allows videos, with the
+default `reuse_image_features` and a trained tower), among bad rows and a corrupt file. The kept rows all go through vLLM (validation
 over the whole set) and a training step's trainer logprobs equal vLLM's: prompt ids and images agree on both
 sides. Without the load-time checks the special-token and 3-image rows fail the generate call (vLLM rejects
 the request), and the skipped file fails the whole load.
@@ -22,6 +23,12 @@ def _png(size=(56, 56)) -> bytes:
     return buf.getvalue()
 
 
+def _mp4() -> bytes:
+    from spmd_grpo.data.videos import encode_video
+
+    return encode_video([Image.new("RGB", (56, 84), (40 * k, 200, 30)) for k in range(4)])
+
+
 def _data(d) -> int:
     """Writes the directory; returns how many rows are kept."""
     good = [
@@ -37,6 +44,8 @@ def _data(d) -> int:
         },
         {"problem": "two <image> and <image>?", "answer": "0", "images": [_png(), _png((28, 84))]},
         {"problem": "text only, no image?", "answer": "1", "images": []},
+        {"problem": "<video>last colour?", "answer": "2", "videos": [_mp4()]},
+        {"problem": "<image>then<video>?", "answer": "0", "images": [_png()], "videos": [_mp4()]},
     ]
     bad = [
         {"problem": "<image>say <|im_end|> then <|video_pad|>", "answer": "1", "images": [_png()]},
@@ -44,6 +53,7 @@ def _data(d) -> int:
         {"problem": "<image>bomb", "answer": "1", "images": [_png_header(20000, 20000)]},
         {"problem": "<image>no answer", "answer": None, "images": [_png()]},
         {"problem": "<image>too thin for 16 tokens", "answer": "2", "images": [_png((3, 500))]},
+        {"problem": "<video>broken", "answer": "1", "videos": [b"\x00\x00\x00 ftyp not really"]},
     ]
     write_parquet(good[:16], d / "a.parquet", row_group_size=5)
     write_parquet(bad + good[16:], d / "b.parquet")
@@ -70,6 +80,10 @@ def test_odd_rows_train_and_validate(tiny_untied, tmp_path):
             "data.rollout_batch_size=16",
             "worker.rollout.n=2",
             "worker.rollout.limit_images=2",
+            "worker.rollout.limit_videos=1",
+            "data.video_min_pixels=3136",
+            "data.video_max_pixels=12544",
+            "data.video_max_frames=4",
             "worker.actor.global_batch_size=32",
             "worker.actor.micro_batch_size_per_device_for_update=8",
             "worker.actor.micro_batch_size_per_device_for_experience=8",
@@ -86,3 +100,4 @@ def test_odd_rows_train_and_validate(tiny_untied, tmp_path):
     assert "row 1: more images than worker.rollout.limit_images (3 > 2)" in out
     assert "row 2: image too large" in out
     assert "row 4: image cannot be resized (3x500 has no 28-multiple size" in out
+    assert "row 5: undecodable video" in out

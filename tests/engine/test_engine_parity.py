@@ -1,6 +1,7 @@
 """The hybrid engine end to end: 2 ranks under real torchrun, FSDP2 policy, one real vLLM CPU engine per rank.
 
-Each job generates with 1- and 2-image prompts, takes a real optimizer step, pushes the sharded weights and
+Each job generates with 1- and 2-image prompts (and, for one case per family, `--videos`: video and image + video
+prompts too, worker.rollout.limit_videos=1), takes a real optimizer step, pushes the sharded weights and
 compares per-token logprobs of vLLM and the trainer (fp32). It then takes a second step WITHOUT a push and
 checks that the same comparison fails: the parity check is able to fail. The engine is built from a run config
 by `RolloutEngine.from_config`, as the trainer builds it, and the settings vLLM reports back must be the
@@ -22,6 +23,8 @@ CASES = [  # (family, tp, tied): every Qwen2.5-VL variant; the other families un
     ("qwen2_vl", 1, False),
     ("qwen3_vl", 1, False),
 ]
+VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1, False)}
+"""Cases whose prompts include videos and image + video prompts (one per family, no extra vLLM start)."""
 
 
 @pytest.mark.parametrize(
@@ -30,7 +33,9 @@ CASES = [  # (family, tp, tied): every Qwen2.5-VL variant; the other families un
 def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
     model_dir = tiny_model(tie_word_embeddings=tied, family=family)
     trust = tp == 2 and tied
+    videos = (family, tp, tied) in VIDEO_CASES
     job = ["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)]
+    job += ["--videos"] if videos else []
     torchrun([*job, *(["--trust-remote-code"] if trust else [])])
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
@@ -43,6 +48,7 @@ def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
             "tensor_parallel_size": tp,
             "max_num_seqs": RolloutConfig().max_num_seqs,
             "limit_images": 2,
+            "limit_videos": int(videos),
         }, r["engine"]
         assert r["tied"] == tied
         assert r["num_response_tokens"] > 0
@@ -57,6 +63,8 @@ def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
         # Without the push the check fails: the engine still samples from the old weights.
         assert r["nosync_new_diff_max"] > 10 * TOL, r
         assert r["nosync_old_diff_max"] <= TOL, r
+        if videos:  # both ranks hold videos, one an image + video prompt, beside image-only prompts
+            assert r["media"] == ([[1, 0], [0, 1]] if r["rank"] == 0 else [[1, 1], [2, 0]]), r["media"]
         # Each rank keeps exactly the outputs of its own prompts.
         assert r["own_uids"] == r["my_prompt_uids"]
     if tp == 2:

@@ -15,7 +15,9 @@ template and the reward function.
     Primed, about 1 answer in 9 is right, so groups have spread, advantages and gradients are non-zero.
   * The data: hub data sets cannot be downloaded here; a generated geometry3k-schema parquet (drawn
     rectangles, "Find x." with a one-digit numeric answer) goes through the same loading, the same prompt
-    template (`data.format_prompt`) and the real mathruler reward. `builtin:` data sets are kept.
+    template (`data.format_prompt`) and the real mathruler reward; for a config that allows videos
+    (`worker.rollout.limit_videos`), the rectangle is a 4-frame MPEG-4 video in the `videos` column behind
+    a `<video>` marker. `builtin:` data sets are kept.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ from spmd_grpo.data.synthetic import write_parquet
 from spmd_grpo.models.families import PUBLISHED
 from tests.conftest import CACHE, REPO, tiny_model, torchrun
 
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+RUN_ELSEWHERE = {
+    "smoke_video": "smoke.yaml on builtin:video_color: the video path runs here with qwen2_5_vl_7b_video_grpo, "
+    "and this config's own run is its learning run (python -m spmd_grpo.smoke --config configs/smoke_video.yaml)",
+}
+"""Configs validated (tests/unit/test_config.py) but not trained here, each with why: 60 s of the tier each."""
+CONFIGS = sorted(c for c in (REPO / "configs").glob("*.yaml") if c.stem not in RUN_ELSEWHERE)
 WORLD_SIZE = 2
 
 # Sizes scaled down: key -> (cap, why). A config value above the cap, or negative ("all" / "the default"),
@@ -75,6 +82,12 @@ FIXED = {
     "worker.rollout.enforce_eager": (True, "vLLM CPU's torch.compile takes minutes here"),
     "trainer.device": ("cpu", "no accelerator here"),
     "trainer.max_steps": (2, "two steps: the second runs on weights the first pushed into vLLM"),
+    "data.video_min_pixels": (
+        3136,
+        "4 tokens a video frame: the vision tower is tiny, frames need not be big",
+    ),
+    "data.video_max_pixels": (12544, "at most 16 tokens a video frame"),
+    "data.video_max_frames": (4, "2 temporal patches a video"),
 }
 # Not overridden: the dtypes. The configs' bfloat16 (FSDP2 param_dtype, rollout, reference) runs on this CPU
 # (AMX-bf16 is vLLM CPU's fast path; FSDP2 mixed precision works with gloo), so the bf16 paths stay covered.
@@ -105,14 +118,21 @@ def _rectangle(width: int, x: int) -> bytes:
     return buf.getvalue()
 
 
-def digit_rows(n: int, seed: int) -> list[dict]:
-    """geometry3k-schema rows: a drawn rectangle, "Find x." from its area and width, answer one digit."""
+def digit_rows(n: int, seed: int, *, video: bool = False) -> list[dict]:
+    """geometry3k-schema rows: a drawn rectangle, "Find x." from its area and width, answer one digit; with
+    `video`, the rectangle is a 4-frame video instead of an image."""
+    from spmd_grpo.data.videos import encode_video
+
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         width, x = rng.randint(2, 9), rng.randint(1, 9)
         problem = f"<image>Find x. The rectangle has area {width * x} and width {width}; x is its height."
         rows.append({"problem": problem, "answer": str(x), "images": [{"bytes": _rectangle(width, x)}]})
+        if video:
+            frame = Image.open(io.BytesIO(_rectangle(width, x))).convert("RGB")
+            rows[-1] = {"problem": problem.replace("<image>", "<video>"), "answer": str(x),
+                        "videos": [encode_video([frame] * 4)]}  # fmt: skip
     return rows
 
 
@@ -190,11 +210,12 @@ def _swapped(cfg: Config, tmp_path: Path) -> list[str]:
         (published,) = [p for p in family.published if p.model_id == model_path]
         model = primed_tiny_model(published.tie_word_embeddings, family.model_type)
     overrides = [f"worker.actor.model.model_path={model}", f"trainer.output_dir={tmp_path}"]
+    video = cfg.worker.rollout.limit_videos > 0
     if not cfg.data.train_files.startswith("builtin:"):
-        train = write_parquet(digit_rows(32, seed=1), tmp_path / "data" / "train.parquet")
+        train = write_parquet(digit_rows(32, seed=1, video=video), tmp_path / "data" / "train.parquet")
         overrides.append(f"data.train_files={train}")
     if cfg.data.val_files and not cfg.data.val_files.startswith("builtin:"):
-        val = write_parquet(digit_rows(4, seed=2), tmp_path / "data" / "val.parquet")
+        val = write_parquet(digit_rows(4, seed=2, video=video), tmp_path / "data" / "val.parquet")
         overrides.append(f"data.val_files={val}")
     return overrides
 

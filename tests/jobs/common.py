@@ -18,12 +18,49 @@ def run_job(main: Callable[[], None]) -> None:
     destroy()
 
 
-def chat_text(processor, num_images: int, text: str) -> str:
-    """The chat-templated user turn: `num_images` images, then `text`, ready for the assistant's answer."""
-    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
+def chat_text(processor, num_images: int, text: str, num_videos: int = 0) -> str:
+    """The chat-templated user turn: `num_images` images, `num_videos` videos, then `text`, ready for the
+    assistant's answer."""
+    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "video"} for _ in range(num_videos)]
+    content.append({"type": "text", "text": text})
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
 
 def encode(processor, images: list[Image.Image], text: str) -> dict:
     """HF processor output (input_ids with the images expanded, pixel_values, image_grid_thw) of one prompt."""
     return processor(text=[chat_text(processor, len(images), text)], images=images, return_tensors="pt")
+
+
+VIDEO_DATA = {"video_min_pixels": 3136, "video_max_pixels": 12544, "video_max_frames": 4}
+"""`data.video_*` of the test jobs' videos: 4 frames of 56 x 84 pixels stay a few tokens per temporal patch
+(and vLLM profiles its start-up with a 4-frame video, not the largest 768-frame one)."""
+
+
+def make_video(colors: list[tuple[int, int, int]], rules):
+    """A 2-fps video of one solid colour per frame, through the data layer's encode and decode (`rules`:
+    `data.videos.VideoRules`)."""
+    from spmd_grpo.data.videos import decode_video, encode_video
+
+    return decode_video(encode_video([Image.new("RGB", (56, 84), c) for c in colors]), None, rules)
+
+
+def video_setup(processor) -> tuple:
+    """(video rules, processor kwargs) of a run with videos allowed, for `processor`'s patch x merge."""
+    from spmd_grpo.config.schema import DataConfig
+    from spmd_grpo.data.prompts import processor_kwargs_for
+    from spmd_grpo.data.videos import VideoRules
+
+    cfg = DataConfig(**VIDEO_DATA)
+    factor = processor.image_processor.patch_size * processor.image_processor.merge_size
+    return VideoRules.of(cfg, factor), processor_kwargs_for(cfg, processor, 1)
+
+
+def encode_with_videos(processor, images: list[Image.Image], videos: list, text: str, kwargs: dict) -> dict:
+    """HF processor output of one prompt with `videos` (`data.videos.Video`; at least one) and `images`,
+    the sizes `kwargs` (`video_setup`) and the videos' metadata: the expanded input_ids vLLM returns too."""
+    from spmd_grpo.data.prompts import with_video_metadata
+
+    chat = chat_text(processor, len(images), text, num_videos=len(videos))
+    call = with_video_metadata(kwargs, videos)
+    frames = [v.frames for v in videos]
+    return processor(text=[chat], images=images or None, videos=frames, return_tensors="pt", **call)

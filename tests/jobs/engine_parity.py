@@ -2,7 +2,10 @@
 
     torchrun --nproc_per_node 2 tests/jobs/engine_parity.py MODEL_DIR OUT_JSON [--tp 2]
 
-Prompts alternate between 1 and 2 images. Writes one JSON per rank (OUT_JSON with `.rank{r}` before the
+Prompts alternate between 1 and 2 images; with `--videos` (worker.rollout.limit_videos=1) they cycle through
+1-2 images, one video, and one image + one video (4-frame MPEG-4 videos decoded by the data layer's rules),
+and the trainer's forwards run the tower on video input (dummy where a batch has none). Writes one JSON per
+rank (OUT_JSON with `.rank{r}` before the
 suffix) holding:
   dummy_diff_max     the same before the first push (vLLM starts with dummy weights: large)
   pre_diff_max       max |vLLM - trainer| per response token before any update (both at the initial weights)
@@ -31,29 +34,44 @@ from spmd_grpo.data.samples import Prompt
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.parallel.collectives import init_distributed, new_tp_groups
 from spmd_grpo.rollout.engine import RolloutEngine
-from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, generate, generate_for_group
-from tests.jobs.common import chat_text, run_job
+from spmd_grpo.rollout.generate import (
+    SamplingConfig,
+    attach_pixel_values,
+    attach_video_inputs,
+    generate,
+    generate_for_group,
+)
+from tests.jobs.common import VIDEO_DATA, chat_text, make_video, run_job, video_setup
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
 
 
-def make_prompts(processor, rank: int, per_rank: int) -> list[Prompt]:
+def make_prompts(processor, rank: int, per_rank: int, video_rules=None) -> list[Prompt]:
     prompts = []
     for i in range(per_rank):
         uid = rank * per_rank + i
-        num_images = 1 + i % 2
+        # 0: 1-2 images, 1: a video, 2: image + video (2 prompts a rank: rank 0 images, video; rank 1
+        # image + video, 2 images)
+        kind = uid % 3 if video_rules is not None else 0
+        num_images = (1 + i % 2) if kind == 0 else kind - 1
         images = [
             Image.new("RGB", (56 + 28 * ((uid + j) % 2), 56), COLORS[(uid + j) % len(COLORS)])
             for j in range(num_images)
         ]
-        text = chat_text(processor, len(images), f"Which color? {uid}")
+        videos = (
+            [make_video([COLORS[(uid + k) % len(COLORS)] for k in range(4)], video_rules)] if kind else []
+        )
+        text = chat_text(processor, len(images), f"Which color? {uid}", num_videos=len(videos))
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompts.append(Prompt(uid=uid, prompt_token_ids=ids, images=images))
+        prompts.append(Prompt(uid=uid, prompt_token_ids=ids, images=images, videos=videos))
     return prompts
 
 
+VIDEOS = {"video_in_forward": False}  # --videos: every trainer forward runs the tower on video input
+
+
 def trainer_logprobs(policy, samples, pad_id: int) -> list[list[float]]:
-    batch = collate_samples(samples, pad_id, next(policy.parameters()).device)
+    batch = collate_samples(samples, pad_id, next(policy.parameters()).device, **VIDEOS)
     with torch.no_grad():
         lp, _ = policy(batch)
     return [lp[i, : len(s.response_ids)].tolist() for i, s in enumerate(samples)]
@@ -88,6 +106,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu here; cuda/npu in the gpu tier (tests/gpu)")
     ap.add_argument("--dtype", default="float32", help="trainer compute and rollout dtype")
     ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--videos", action="store_true", help="video and image+video prompts too")
     args = ap.parse_args()
 
     from transformers import AutoProcessor
@@ -109,14 +128,18 @@ def main() -> None:
             "worker.rollout.limit_images=2",
             "worker.rollout.weight_sync_bucket_mb=1",
             "trainer.seed=0",
+            *([f"worker.rollout.limit_videos={int(args.videos)}"] if args.videos else []),
+            *([f"data.{k}={v}" for k, v in VIDEO_DATA.items()] if args.videos else []),
         ],
     )
+    VIDEOS["video_in_forward"] = args.videos
+    video_rules, processor_kwargs = video_setup(processor) if args.videos else (None, {})
     policy = build_policy(cfg.worker.actor, world)
     tie = bool(policy.config.tie_word_embeddings)
     engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tie)
     pad_id = processor.tokenizer.pad_token_id
     eos = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    prompts = make_prompts(processor, world.rank, args.prompts_per_rank)
+    prompts = make_prompts(processor, world.rank, args.prompts_per_rank, video_rules)
     sampling = SamplingConfig(
         n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=12, seed=0, stop_token_ids=tuple(eos)
     )
@@ -124,6 +147,7 @@ def main() -> None:
     def rollout(step: int):
         samples = generate(engine, prompts, sampling, step=step, tp_group=tp_group)
         attach_pixel_values(samples, processor.image_processor)
+        attach_video_inputs(samples, processor, processor_kwargs)
         return samples
 
     # 1. Before any update: the engine (dummy weights, then the first push) and the trainer agree.
@@ -137,7 +161,7 @@ def main() -> None:
     optim = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-2)
 
     def update_and_compare(samples, step: int, push: bool) -> tuple[float, float]:
-        batch = collate_samples(samples, pad_id, next(policy.parameters()).device)
+        batch = collate_samples(samples, pad_id, next(policy.parameters()).device, **VIDEOS)
         optim.zero_grad()
         lp, _ = policy(batch)
         (-(lp * batch.response_mask).sum() / batch.response_mask.sum()).backward()
@@ -186,6 +210,7 @@ def main() -> None:
         "own_uids": sorted({s.prompt.uid for s in s2}),
         "my_prompt_uids": [p.uid for p in prompts],
         "group_outputs": [[s.prompt.uid, s.sample_index, s.response_ids] for s in group],
+        "media": [[len(p.images), len(p.videos)] for p in prompts],
         "sync_bytes": engine.stats.last_sync_bytes,
         "engine": engine.settings(),
     }

@@ -1,9 +1,12 @@
 """torchrun job: ranks whose micro-batches hold different modalities make the same collective calls.
 
     torchrun --nproc_per_node 2 tests/jobs/mixed_modalities.py MODEL_DIR OUT_PREFIX [--without-idle-tower]
+        [--without-idle-video]
 
 For each case (padded or packed layout) x (trained or frozen vision tower), each rank holds 4 samples of
-its own composition (prompts with 0, 1 or 3 images, drawn per rank; rank 1 text-only in the first scenario),
+its own composition: in the first scenario prompts with 0, 1 or 3 images (rank 1 text-only) in a run
+without videos; in the second, drawn per rank, text-only, 1 image, 3 images, a video, or an image and a
+video in one prompt, in a run that allows videos (every forward runs the tower on video input),
 then runs what a training step runs: the forward-only logprob pass (one sample per micro-batch, so one
 rank's micro-batch is text-only while the other's holds images) and the update's backward, once with one
 sample per micro-batch and once with token-budget micro-batches where rank 1 holds one sample and pads with
@@ -12,7 +15,8 @@ single-process model (`from_pretrained`, no FSDP) and writes `OUT_PREFIX.rank<r>
 largest logprob difference and whether the gradient is finite.
 
 `--without-idle-tower` replaces `PolicyModule._idle_tower` by a zero that runs no tower (the mechanism
-removed): the job must then fail in a collective instead of finishing.
+removed): the job must then fail in a collective instead of finishing. `--without-idle-video` removes only
+the dummy video call (a micro-batch without a video beside one with a video): the second scenario must fail.
 """
 
 from __future__ import annotations
@@ -34,41 +38,51 @@ from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from spmd_grpo.parallel.collectives import init_distributed
-from tests.jobs.common import chat_text, encode, run_job
+from spmd_grpo.rollout.generate import attach_video_inputs
+from tests.jobs.common import chat_text, encode, encode_with_videos, make_video, run_job, video_setup
 
 NUM_SAMPLES = 4
-SCENARIOS = ("one_rank_text_only", "random")
+SCENARIOS = {"one_rank_text_only": False, "random": True}  # scenario -> whether the run allows videos
+MIXES = [(0, 0), (1, 0), (3, 0), (0, 1), (1, 1)]  # (images, videos) of one prompt
 
 
-def compositions(scenario: str, rank: int) -> list[int]:
-    """Images per sample of this rank's 4 samples."""
+def compositions(scenario: str, rank: int) -> list[tuple[int, int]]:
+    """(images, videos) per sample of this rank's 4 samples. The random draw (seed 17) gives rank 0
+    [(1, 1), (0, 1), (3, 0), (3, 0)] and rank 1 [(1, 0), (0, 0), (0, 1), (3, 0)]: every mix, and slots where
+    one rank has a video and the other none."""
     if scenario == "one_rank_text_only":
-        return [0, 1, 3, 0] if rank == 0 else [0, 0, 0, 0]
-    rng = random.Random(7 + rank)
-    return [rng.choice([0, 1, 3]) for _ in range(NUM_SAMPLES)]
+        return [(0, 0), (1, 0), (3, 0), (0, 0)] if rank == 0 else [(0, 0)] * 4
+    rng = random.Random(17 + rank)
+    return [rng.choice(MIXES) for _ in range(NUM_SAMPLES)]
 
 
-def make_samples(processor, counts: list[int], rank: int) -> list[Sample]:
+def make_samples(processor, counts: list[tuple[int, int]], rank: int) -> list[Sample]:
     gen = torch.Generator().manual_seed(100 + rank)
+    rules, kwargs = video_setup(processor)
     samples = []
-    for i, k in enumerate(counts):
+    for i, (k, v) in enumerate(counts):
         images = [
             Image.new("RGB", (56 + 28 * (j % 2), 56), (60 * i + 20 * j, 90, 30 * rank)) for j in range(k)
         ]
+        videos = [make_video([(40 * f, 30 * i, 90 * rank) for f in range(4)], rules) for _ in range(v)]
         text = f"Rank {rank} sample {i}: how many images?"
-        if images:
+        prompt = Prompt(uid=i, prompt_token_ids=[], images=images, videos=videos)
+        if videos:  # the trainer's call (`attach_video_inputs`), with the text placed in the chat
+            sample = Sample(prompt, 0, [], [], [])
+            attach_video_inputs([sample], processor, kwargs)
+            enc = encode_with_videos(processor, images, videos, text, kwargs)
+        elif images:
             enc = encode(processor, images, text)
-            pixels, grid = enc["pixel_values"], enc["image_grid_thw"]
+            sample = Sample(prompt, 0, [], [], [], pixel_values=enc["pixel_values"])
+            sample.image_grid_thw = enc["image_grid_thw"]
         else:  # a text-only prompt: no image processor call at all, as the data loader does
             enc = processor(text=[chat_text(processor, 0, text)], return_tensors="pt")
-            pixels = grid = None
+            sample = Sample(prompt, 0, [], [], [])
         length = 2 + (3 * i + rank) % 6
-        response = torch.randint(0, 256, (length,), generator=gen).tolist()
-        prompt = Prompt(uid=i, prompt_token_ids=[], images=images)
-        samples.append(
-            Sample(prompt, 0, enc["input_ids"][0].tolist(), response, [0.0] * length,
-                   pixel_values=pixels, image_grid_thw=grid, advantage=float(i % 3 - 1))
-        )  # fmt: skip
+        sample.prompt_ids = enc["input_ids"][0].tolist()
+        sample.response_ids = torch.randint(0, 256, (length,), generator=gen).tolist()
+        sample.rollout_logprobs, sample.advantage = [0.0] * length, float(i % 3 - 1)
+        samples.append(sample)
     return samples
 
 
@@ -101,7 +115,8 @@ def run_case(policy, samples: list[Sample], spec: UpdateSpec, world, reference) 
         finite &= bool(grads) and all(torch.isfinite(g).all().item() for g in grads)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     return {"logprob_diff_max": diff, "grad_finite": finite, "micro_batch_sizes": micro_batches_used,
-            "images": [len(s.prompt.images) for s in samples], "lengths": lengths}  # fmt: skip
+            "images": [len(s.prompt.images) for s in samples], "lengths": lengths,
+            "videos": [len(s.prompt.videos) for s in samples]}  # fmt: skip
 
 
 def main() -> None:
@@ -109,11 +124,20 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("out_prefix")
     ap.add_argument("--without-idle-tower", action="store_true")
+    ap.add_argument("--without-idle-video", action="store_true")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated (default: all)")
     args = ap.parse_args()
     from transformers import AutoProcessor
 
+    idle_tower = PolicyModule._idle_tower
     if args.without_idle_tower:
-        PolicyModule._idle_tower = lambda self, device: torch.zeros((), device=device)
+        PolicyModule._idle_tower = lambda self, device, encode: torch.zeros((), device=device)
+    if args.without_idle_video:
+        PolicyModule._idle_tower = lambda self, device, encode: (
+            torch.zeros((), device=device)
+            if encode == self.hf.model.get_video_features
+            else idle_tower(self, device, encode)
+        )
     world = init_distributed("cpu", timeout_s=60)
     processor = AutoProcessor.from_pretrained(args.model_dir)
     pad_id = processor.tokenizer.pad_token_id
@@ -122,9 +146,11 @@ def main() -> None:
         micro_batch_size=1, experience_micro_batch_size=1,
     )  # fmt: skip
     out = {}
-    for scenario in SCENARIOS:
+    for scenario in args.scenarios.split(","):
+        videos = SCENARIOS[scenario]
         samples = make_samples(processor, compositions(scenario, world.rank), world.rank)
         reference = reference_logprobs(args.model_dir, samples, pad_id)
+        spec = dataclasses.replace(spec, videos=videos)
         for frozen in (False, True):
             actor = ActorConfig(
                 model=ModelConfig(model_path=args.model_dir, freeze_vision_tower=frozen),

@@ -132,6 +132,10 @@ VALUE_ROWS = [
     (["data.val_max_samples=0"], "data.val_max_samples"),
     (["data.seed=-1"], "data.seed"),
     (["data.num_builtin_examples=0"], "data.num_builtin_examples"),
+    (["data.video_fps=0"], "data.video_fps"),
+    (["data.video_max_pixels=-1"], "data.video_max_pixels"),
+    (["data.video_min_frames=8", "data.video_max_frames=4"], "data.video_max_frames"),
+    (["data.video_key="], "data.video_key"),
     (["data.prompt_key="], "data.prompt_key"),
     (["data.val_batch_size=0"], "data.val_batch_size"),
     # algorithm
@@ -191,6 +195,7 @@ VALUE_ROWS = [
     ([f"{R}sleep_level=3"], f"{R}sleep_level"),
     ([f"{R}kv_cache_memory_gb=0"], f"{R}kv_cache_memory_gb"),
     ([f"{R}limit_images=0"], f"{R}limit_images"),
+    ([f"{R}limit_videos=-1"], f"{R}limit_videos"),
     ([f"{R}weight_sync_bucket_mb=0"], f"{R}weight_sync_bucket_mb"),
     ([f"{R}temprature=0.7"], f"{R}temprature"),
     ([f"{R}val_override.top_k=-5"], f"{R}val_override.top_k"),

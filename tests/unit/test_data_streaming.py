@@ -198,7 +198,8 @@ def test_images_on_demand_equal_the_eager_decode(tmp_path, processor):
         want = [_eager(image, low, high) for image in rows[i]["images"]]
         assert [(g.mode, g.size, g.tobytes()) for g in got] == [(w.mode, w.size, w.tobytes()) for w in want]
         cache = examples[i].source.cache
-        assert cache.key == (path, i // 3) and len(cache.column) <= 3  # one row group held, not the file
+        # one row group of the image column held, not the file
+        assert cache.keys == {"images": (path, i // 3)} and len(cache.columns["images"]) <= 3
 
 
 def test_hub_dataset_is_read_raw_and_on_demand(processor, monkeypatch):

@@ -275,3 +275,46 @@ def test_padding_free_setting_picks_packing_and_attention(monkeypatch):
     assert load_config(None, base).worker.actor.padding_free == "auto"
     with pytest.raises(ConfigError, match="padding_free"):
         load_config(None, [*base, "worker.actor.padding_free=sometimes"])
+
+
+def test_packed_equals_padded_for_video_and_image_video_prompts(tiny):
+    """Video prompts (a video; an image and a video; text-only beside them) packed vs padded: logprobs,
+    entropy and every gradient, with the tower run on video input in every forward (transformers' sdpa; the
+    attention paths themselves are compared above)."""
+    from spmd_grpo.rollout.generate import attach_video_inputs
+    from tests.jobs.common import chat_text, encode_with_videos, make_video, video_setup
+
+    processor, policy = tiny
+    rules, kwargs = video_setup(processor)
+    samples = []
+    for i, (num_images, num_videos, n) in enumerate([(1, 1, 4), (0, 1, 7), (0, 0, 3)]):
+        images = [Image.new("RGB", (56, 84), (90, 30 * i, 20))] * num_images
+        videos = [make_video([(60 * f, 20 * i, 100) for f in range(4)], rules)] * num_videos
+        sample = Sample(Prompt(i, [], images=images, videos=videos), 0, [], [], [])
+        attach_video_inputs([sample], processor, kwargs)
+        text = f"Colors? {i}"
+        if videos:
+            enc = encode_with_videos(processor, images, videos, text, kwargs)
+        else:
+            chat = chat_text(processor, num_images, text)
+            enc = processor(text=[chat], images=images or None, return_tensors="pt")
+        if images and not videos:
+            sample.pixel_values, sample.image_grid_thw = enc["pixel_values"], enc["image_grid_thw"]
+        sample.prompt_ids, sample.response_ids = (
+            enc["input_ids"][0].tolist(),
+            [(7 * i + j) % 300 + 20 for j in range(n)],
+        )
+        samples.append(sample)
+    pad = processor.tokenizer.pad_token_id
+    args = ([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+            [s.pixel_values for s in samples], [s.image_grid_thw for s in samples], pad)  # fmt: skip
+    flags = {"video_inputs": [s.video_inputs for s in samples], "video_in_forward": True}
+    padded, packed = collate(*args, **flags), collate(*args, packed=True, **flags)
+    assert padded.video_grid_thw.shape == (2, 3) and padded.second_per_grid_ts.tolist() == [1.0, 1.0]
+    weights = torch.rand(padded.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    lp_pad, ent_pad, g_pad = _run(policy, padded, weights)
+    lp_pack, ent_pack, g_pack = _run(policy, packed, weights)
+    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_pack, ent_pad, atol=1e-5, rtol=0)
+    _assert_same_grads(g_pad, g_pack)
+    assert any(name.startswith("hf.model.visual") for name in g_pad)

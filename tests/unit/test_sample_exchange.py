@@ -4,14 +4,32 @@ segment unpacks to the same samples, in process (the exchange under torchrun: te
 import numpy as np
 import torch
 
-from spmd_grpo.data.samples import Sample
+from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.rollout import sample_exchange as ds
 from tests.jobs.dapo_rebalance import compare, synthetic_group
 
 
 def test_every_sample_field_has_a_way_to_travel():
     handled = {"prompt", *ds.LIST_FIELDS, *ds.TENSOR_FIELDS, *ds.TENSOR_TUPLE_FIELDS, *ds.SCALAR_FIELDS}
+    handled |= set(ds.TENSOR_DICT_FIELDS)
     assert handled == set(Sample.__dataclass_fields__)
+
+
+def test_prompt_videos_and_video_inputs_travel_bitwise():
+    from spmd_grpo.data.videos import Video
+
+    frames = np.random.default_rng(1).integers(0, 255, (4, 56, 84, 3), dtype=np.uint8)
+    meta = {"fps": 2.0, "frames_indices": [0, 1, 2, 3], "total_num_frames": 4, "duration": 2.0}
+    prompt = Prompt(uid=3, prompt_token_ids=[1, 2, 3], videos=[Video(frames, meta)])
+    inputs = {"pixel_values_videos": torch.randn(24, 8), "video_grid_thw": torch.tensor([[2, 6, 4]])}
+    samples = [Sample(prompt, k, [1, 2], [5], [-0.5], video_inputs=inputs) for k in range(2)]
+    (_, a), (_, b) = _round_trip([(0, samples[0]), (1, samples[1])])
+    assert (
+        a.prompt is b.prompt
+        and a.video_inputs["pixel_values_videos"] is b.video_inputs["pixel_values_videos"]
+    )
+    assert np.array_equal(a.prompt.videos[0].frames, frames) and a.prompt.videos[0].metadata == meta
+    assert all(torch.equal(a.video_inputs[k], v) for k, v in inputs.items())
 
 
 def _round_trip(items):
