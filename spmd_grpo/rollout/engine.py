@@ -59,6 +59,7 @@ from torch import nn
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import RolloutConfig
 from spmd_grpo.models.build import resolve_dtype
+from spmd_grpo.models.lora import merge_sources
 from spmd_grpo.models.policy import unsamplable_token_ids
 from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import World
@@ -310,8 +311,9 @@ class RolloutEngine:
             return
         # A parameter that does not require grad never changes: send it only to an engine without weights.
         frozen = set()
-        if self.stats.synced_version != NO_WEIGHTS:
+        if self.stats.synced_version != NO_WEIGHTS:  # (a LoRA-adapted base weight changes with its adapters)
             frozen = {hf_name(n) for n, p in policy.named_parameters() if not p.requires_grad}
+            frozen -= merge_sources(policy).keys()
         weights = iter_sharded_weights(
             policy,
             self.dtype,

@@ -17,21 +17,26 @@ from tests.conftest import tiny_model, torchrun
 TOL = 1e-3
 
 
-CASES = [  # (family, tp, tied): every Qwen2.5-VL variant; the other families untied at TP 1
-    *[("qwen2_5_vl", tp, tied) for tied in (False, True) for tp in (1, 2)],
-    ("qwen2_vl", 1, False),
-    ("qwen3_vl", 1, False),
+CASES = [  # (family, tp, tied, lora rank): every Qwen2.5-VL variant; the other families untied at TP 1
+    *[("qwen2_5_vl", tp, tied, 0) for tied in (False, True) for tp in (1, 2)],
+    ("qwen2_vl", 1, False, 0),
+    ("qwen3_vl", 1, False, 0),
+    # LoRA, merged weight sync: adapters on a frozen base, pushed as base + scale * B A
+    ("qwen2_5_vl", 1, False, 8),
+    ("qwen2_5_vl", 1, True, 8),
 ]
 
 
 @pytest.mark.parametrize(
-    "family, tp, tied", CASES, ids=[f"{f}-tp{tp}-{'tied' if t else 'untied'}" for f, tp, t in CASES]
+    "family, tp, tied, lora",
+    CASES,
+    ids=[f"{f}-tp{tp}-{'tied' if t else 'untied'}{f'-lora{r}' if r else ''}" for f, tp, t, r in CASES],
 )
-def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
+def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
     model_dir = tiny_model(tie_word_embeddings=tied, family=family)
     trust = tp == 2 and tied
     job = ["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)]
-    torchrun([*job, *(["--trust-remote-code"] if trust else [])])
+    torchrun([*job, "--lora-rank", str(lora), *(["--trust-remote-code"] if trust else [])])
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["engine"] == {
@@ -54,6 +59,8 @@ def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
         assert r["new_diff_max"] <= TOL, r
         # ...and the engine's logprobs did change (they no longer match the old weights).
         assert r["old_diff_max"] > 10 * TOL, r
+        if lora:  # the step after a sync that carried adapters: still exact (no stale merged weight)
+            assert r["lora_second_diff_max"] <= TOL, r
         # Without the push the check fails: the engine still samples from the old weights.
         assert r["nosync_new_diff_max"] > 10 * TOL, r
         assert r["nosync_old_diff_max"] <= TOL, r

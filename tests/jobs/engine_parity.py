@@ -8,7 +8,9 @@ suffix) holding:
   pre_diff_max       max |vLLM - trainer| per response token before any update (both at the initial weights)
   new_diff_max       after an optimizer step + weight push: max |vLLM - trainer(new weights)|
   old_diff_max       on the same samples: max |vLLM - trainer(old weights)| (shows the engine's logprobs moved)
-  nosync_new_diff_max  after a second optimizer step WITHOUT a push: max |vLLM - trainer(new weights)|
+  lora_second_diff_max (--lora-rank only) a second optimizer step + push: the step after a sync that already
+                       carried adapters (merged base + B A weights must be pushed again, not skipped as frozen)
+  nosync_new_diff_max  after a further optimizer step WITHOUT a push: max |vLLM - trainer(new weights)|
                        (large: proves the parity check can fail)
   nosync_old_diff_max  ... and against the weights the engine still holds (small)
   group_outputs      token ids of every sample the TP group generated (identical within a group)
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu here; cuda/npu in the gpu tier (tests/gpu)")
     ap.add_argument("--dtype", default="float32", help="trainer compute and rollout dtype")
     ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full)")
     args = ap.parse_args()
 
     from transformers import AutoProcessor
@@ -109,6 +112,7 @@ def main() -> None:
             "worker.rollout.limit_images=2",
             "worker.rollout.weight_sync_bucket_mb=1",
             "trainer.seed=0",
+            f"worker.actor.model.lora.rank={args.lora_rank}",
         ],
     )
     policy = build_policy(cfg.worker.actor, world)
@@ -166,9 +170,12 @@ def main() -> None:
     new_diff, old_diff, s2 = update_and_compare(s1, step=1, push=True)
     new_mean, old_mean = means["new"], means["old"]
     sync_seconds = engine.stats.last_sync_s
-    nosync_new, nosync_old, _ = update_and_compare(s2, step=2, push=False)
+    lora_second = None
+    if args.lora_rank:
+        lora_second, _, s2 = update_and_compare(s2, step=2, push=True)
+    nosync_new, nosync_old, _ = update_and_compare(s2, step=3, push=False)
 
-    group = [s for _, s in generate_for_group(engine, prompts, sampling, step=3, tp_group=tp_group)]
+    group = [s for _, s in generate_for_group(engine, prompts, sampling, step=4, tp_group=tp_group)]
     result = {
         "rank": world.rank,
         "tp": args.tp,
@@ -177,6 +184,7 @@ def main() -> None:
         "pre_diff_max": pre_diff,
         "new_diff_max": new_diff,
         "old_diff_max": old_diff,
+        "lora_second_diff_max": lora_second,
         "nosync_new_diff_max": nosync_new,
         "nosync_old_diff_max": nosync_old,
         "new_diff_mean": new_mean,
