@@ -7,10 +7,9 @@ the trainer would use on an NPU machine. Nothing here has run on a real NPU.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import sys
 import types
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
