@@ -71,9 +71,11 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "add_adapters",
             "lora_layers",
             "has_adapters",
+            "set_full_tensor",
             "init_adapters",
             "adapters_disabled",
             "merge_sources",
+            "head_parts",
             "merged_weight",
         ),
         "policy": (

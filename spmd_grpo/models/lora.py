@@ -9,7 +9,9 @@ key layout are what every PEFT user and vLLM's `enable_lora` load, so export and
 its format.
 
 Which modules: `target_modules` `all-linear` is every `nn.Linear` but the output head (PEFT's definition),
-a list matches a module whose name is an entry or ends with `.<entry>` (PEFT's rule); `exclude_modules`
+a list matches a module whose name is an entry or ends with `.<entry>` (PEFT's rule) and may name the head
+(`lm_head`, untied models only: the trainer's chunked log-softmax then adds the head's adapter itself,
+`head_parts`); `exclude_modules`
 are module-name PREFIXES (deviation from PEFT, which matches excludes like targets: a tower has hundreds of
 linear layers and one prefix names them all). Default: the vision tower and its merger (`model.visual`).
 
@@ -56,10 +58,11 @@ def base_name(name: str) -> str:
 def target_module_names(hf_model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """Names of the `nn.Linear` modules that get an adapter; ValueError if none does or a name is unused."""
     head = hf_model.get_output_embeddings()
-    linear = [n for n, m in hf_model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    linear = [n for n, m in hf_model.named_modules() if isinstance(m, nn.Linear)]
     kept = [n for n in linear if not any(n == p or n.startswith(p + ".") for p in cfg.exclude_modules)]
+    head_name = next(n for n, m in hf_model.named_modules() if m is head)
     if cfg.target_modules == LORA_ALL_LINEAR:
-        targets = kept
+        targets = [n for n in kept if n != head_name]
     else:
         targets = [n for n in kept if any(n == t or n.endswith("." + t) for t in cfg.target_modules)]
         unused = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in kept)]
@@ -70,6 +73,11 @@ def target_module_names(hf_model: nn.Module, cfg: LoRAConfig) -> list[str]:
             )
     if not targets:
         raise ValueError("worker.actor.model.lora: no linear layer to adapt (check target/exclude_modules)")
+    if head_name in targets and getattr(hf_model.config, "tie_word_embeddings", False):
+        raise ValueError(
+            f"worker.actor.model.lora.target_modules: {head_name} is tied to the input embeddings in this "
+            "model; an adapter on it would untie them"
+        )
     return targets
 
 
@@ -107,12 +115,13 @@ def has_adapters(model: nn.Module) -> bool:
     return next(lora_layers(model), None) is not None
 
 
-def _set_full(param: torch.Tensor, full: torch.Tensor) -> None:
+def set_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full tensor (the same on every rank) into a parameter, sharded or not."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     with torch.no_grad():
         if isinstance(param, DTensor):
+            full = full.detach()
             param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
         else:
             param.copy_(full)
@@ -128,8 +137,8 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             a.shape[1]
         )  # kaiming_uniform_(a=sqrt(5)) on [r, in]: U(-1/sqrt(in), 1/sqrt(in))
         full_a.uniform_(-bound, bound, generator=gen)
-        _set_full(a, full_a.to(a.device))
-        _set_full(b, torch.zeros(b.shape, dtype=torch.float32, device=b.device))
+        set_full_tensor(a, full_a.to(a.device))
+        set_full_tensor(b, torch.zeros(b.shape, dtype=torch.float32, device=b.device))
 
 
 @contextmanager
@@ -166,3 +175,20 @@ def merged_weight(base: torch.Tensor, source: tuple[torch.Tensor, torch.Tensor, 
     scale = source[2]
     with torch.no_grad():
         return (base.float() + scale * (b.detach().float() @ a.detach().float())).to(base.dtype)
+
+
+def head_parts(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """(weight, bias, adapter) of the output head for the trainer's own chunked projection: `adapter` is
+    (A, B, scale, dropout) when the head carries an enabled LoRA adapter, else None."""
+    if not hasattr(head, "lora_A"):  # a plain head (no peft import on the hot path)
+        return head.weight, head.bias, None
+    base = head.get_base_layer()
+    if head.disable_adapters:
+        return base.weight, base.bias, None
+    adapter = (
+        head.lora_A[ADAPTER].weight,
+        head.lora_B[ADAPTER].weight,
+        float(head.scaling[ADAPTER]),
+        head.lora_dropout[ADAPTER],
+    )
+    return base.weight, base.bias, adapter

@@ -21,7 +21,8 @@ CASES = [  # (family, tp, tied, lora rank): every Qwen2.5-VL variant; the other 
     *[("qwen2_5_vl", tp, tied, 0) for tied in (False, True) for tp in (1, 2)],
     ("qwen2_vl", 1, False, 0),
     ("qwen3_vl", 1, False, 0),
-    # LoRA, merged weight sync: adapters on a frozen base, pushed as base + scale * B A
+    # LoRA, merged weight sync: adapters on a frozen base, pushed as base + scale * B A (untied: on the
+    # output head too, which the trainer's chunked log-softmax applies itself)
     ("qwen2_5_vl", 1, False, 8),
     ("qwen2_5_vl", 1, True, 8),
 ]
@@ -36,7 +37,11 @@ def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
     model_dir = tiny_model(tie_word_embeddings=tied, family=family)
     trust = tp == 2 and tied
     job = ["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)]
-    torchrun([*job, "--lora-rank", str(lora), *(["--trust-remote-code"] if trust else [])])
+    targets = (
+        "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]" if not tied else "all-linear"
+    )
+    job += ["--lora-rank", str(lora), "--lora-targets", targets]
+    torchrun([*job, *(["--trust-remote-code"] if trust else [])])
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["engine"] == {

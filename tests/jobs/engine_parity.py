@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="trainer compute and rollout dtype")
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full)")
+    ap.add_argument("--lora-targets", default="all-linear", help="worker.actor.model.lora.target_modules")
     args = ap.parse_args()
 
     from transformers import AutoProcessor
@@ -113,6 +114,7 @@ def main() -> None:
             "worker.rollout.weight_sync_bucket_mb=1",
             "trainer.seed=0",
             f"worker.actor.model.lora.rank={args.lora_rank}",
+            f"worker.actor.model.lora.target_modules={args.lora_targets}",
         ],
     )
     policy = build_policy(cfg.worker.actor, world)
