@@ -4,6 +4,7 @@
     start.py       `plan_start`: new run or resume, and which config changes a resume accepts
     lock.py        one job per run directory: an exclusive lock rank 0 holds for the job's life
     export.py      `python -m spmd_grpo.export CKPT OUT`: a checkpoint as a Hugging Face model directory
+    export_lora.py the same for a LoRA checkpoint: a PEFT adapter directory, optionally the merged model
 
 The names below are imported on first use, so importing one module of the package stays light.
 """
@@ -32,6 +33,11 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "SIDE_FILE_SUFFIXES",
             "NOT_COPIED",
             "export_hf",
+        ),
+        "export_lora": (
+            "ADAPTER_FILE",
+            "adapter_keys",
+            "export_adapter",
         ),
         "lock": (
             "LOCK",
