@@ -225,6 +225,9 @@ class RolloutConfig:
     kv_cache_memory_gb: float = 1.0
     """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     weight_sync_bucket_mb: int = 512
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With worker.actor.model.lora: `merged` pushes base + alpha / r * B A per adapted weight (any vLLM model);
+    `adapter` pushes the base once, then only the adapters into vLLM's LoRA support (enable_lora)."""
     val_override: ValOverrideConfig = field(default_factory=ValOverrideConfig)
 
     def check(self, prefix: str) -> None:

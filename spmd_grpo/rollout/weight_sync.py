@@ -71,6 +71,7 @@ def iter_weight_buckets(
     *,
     tie_word_embeddings: bool,
     skip: Callable[[str], bool] = lambda name: False,
+    merge: bool = True,
 ) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
     """Yield `(gathered_bytes, tensors)` per bucket; `tensors` yields `(hf_name, full tensor in dtype)`.
 
@@ -82,7 +83,7 @@ def iter_weight_buckets(
     Live memory: one gathered bucket (`_GatheredBucket`, no send buffer or backend temporary) plus the
     tensors the consumer still holds; a replicated parameter is materialised alone, outside the bucket.
     """
-    merges = merge_sources(model)  # LoRA: base weight -> its adapters (empty without LoRA)
+    merges = merge_sources(model) if merge else {}  # LoRA: base weight -> its adapters (none without LoRA)
     params = [
         (hf_name(n), p)
         for n, p in model.named_parameters()
@@ -120,11 +121,12 @@ def iter_sharded_weights(
     *,
     tie_word_embeddings: bool,
     skip: Callable[[str], bool] = lambda name: False,
+    merge: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full tensor in dtype)` for every parameter, gathering one bucket at a time
-    (`iter_weight_buckets` flattened)."""
+    (`iter_weight_buckets` flattened; `merge=False`: LoRA base weights without their adapters)."""
     buckets = iter_weight_buckets(
-        model, dtype, bucket_bytes, tie_word_embeddings=tie_word_embeddings, skip=skip
+        model, dtype, bucket_bytes, tie_word_embeddings=tie_word_embeddings, skip=skip, merge=merge
     )
     for _, tensors in buckets:
         yield from tensors

@@ -29,12 +29,12 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ),
         "export": (
             "DTYPES",
-            "MODEL_PREFIX",
             "SIDE_FILE_SUFFIXES",
             "NOT_COPIED",
             "export_hf",
         ),
         "export_lora": (
+            "MODEL_PREFIX",
             "ADAPTER_FILE",
             "adapter_keys",
             "export_adapter",

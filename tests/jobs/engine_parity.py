@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full)")
     ap.add_argument("--lora-targets", default="all-linear", help="worker.actor.model.lora.target_modules")
+    ap.add_argument("--lora-sync", default="merged", help="worker.rollout.lora_sync")
     args = ap.parse_args()
 
     from transformers import AutoProcessor
@@ -115,6 +116,7 @@ def main() -> None:
             "trainer.seed=0",
             f"worker.actor.model.lora.rank={args.lora_rank}",
             f"worker.actor.model.lora.target_modules={args.lora_targets}",
+            f"worker.rollout.lora_sync={args.lora_sync}",
         ],
     )
     policy = build_policy(cfg.worker.actor, world)
@@ -197,6 +199,7 @@ def main() -> None:
         "my_prompt_uids": [p.uid for p in prompts],
         "group_outputs": [[s.prompt.uid, s.sample_index, s.response_ids] for s in group],
         "sync_bytes": engine.stats.last_sync_bytes,
+        "lora_ids": sorted(engine.llm.llm_engine.list_loras()) if engine.adapters else [],
         "engine": engine.settings(),
     }
     out = Path(args.out_json)
