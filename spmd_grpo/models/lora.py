@@ -32,6 +32,7 @@ without LoRA"): no second model.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -104,6 +105,8 @@ def add_adapters(hf_model: nn.Module, cfg: LoRAConfig) -> nn.Module:
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(module name, PEFT LoRA layer) of every adapted layer."""
+    if "peft" not in sys.modules:  # no adapter exists before peft is imported (full fine-tuning never does)
+        return
     from peft.tuners.lora import LoraLayer
 
     for name, module in model.named_modules():
@@ -133,9 +136,8 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     for _, layer in lora_layers(model):
         a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
         full_a = torch.empty(a.shape, dtype=torch.float32)
-        bound = 1 / math.sqrt(
-            a.shape[1]
-        )  # kaiming_uniform_(a=sqrt(5)) on [r, in]: U(-1/sqrt(in), 1/sqrt(in))
+        # kaiming_uniform_(a=sqrt(5)) of an [r, in] weight is U(-1/sqrt(in), 1/sqrt(in))
+        bound = 1 / math.sqrt(a.shape[1])
         full_a.uniform_(-bound, bound, generator=gen)
         set_full_tensor(a, full_a.to(a.device))
         set_full_tensor(b, torch.zeros(b.shape, dtype=torch.float32, device=b.device))

@@ -362,8 +362,10 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
 
 
 def _options(policy: nn.Module) -> StateDictOptions:
-    """With LoRA adapters only the trainable parameters are saved and loaded (the base is `model_path`)."""
-    return StateDictOptions(ignore_frozen_params=has_adapters(policy))
+    """With LoRA adapters only the trainable parameters are saved and loaded (the base is `model_path`, so
+    the load is not strict about the frozen keys it leaves alone)."""
+    lora = has_adapters(policy)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def _keep_settings(optim: OptimizerBundle, settings: list[dict], base_lrs: list[float]) -> None:
