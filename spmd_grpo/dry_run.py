@@ -8,6 +8,10 @@ Qwen3-VL 2B/4B/8B/32B -- and the hub is unreachable), and prints: the mesh layou
 (TP groups, which rank owns which prompts), batch arithmetic, the first batch's tensor shapes, and a
 per-rank memory estimate. The memory figures are ARITHMETIC from parameter counts and config, not
 measurements: activations in particular are an order-of-magnitude estimate.
+
+With LoRA (`worker.actor.model.lora.rank` > 0) the table shows the frozen base in the compute dtype
+(bf16 on accelerators; on the host with `fsdp.offload_params`), the fp32 adapters, gradients and AdamW
+states of the adapters only, and no reference model (the policy with its adapters disabled).
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ import torch
 
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import validate
+from spmd_grpo.config.workers import LoRAConfig
 from spmd_grpo.models.families import PUBLISHED, family_of
+from spmd_grpo.models.lora import target_module_names
 
 GiB = 2**30
 BF16 = 2  # bytes per bf16 value
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NO_LORA = LoRAConfig()
 
 
 def _reference_dtype(cfg: Config) -> str:
@@ -68,6 +75,10 @@ class _Model:
     """The largest decoder layer (what FSDP gathers at once)."""
     text: Any
     """The HF text config (hidden_size, num_hidden_layers, vocab_size, ...)."""
+    num_adapter: int = 0
+    """LoRA adapter parameters (0 without LoRA)."""
+    num_adapted: int = 0
+    """Linear layers that carry an adapter."""
 
     @property
     def head_dim(self) -> int:
@@ -95,21 +106,24 @@ _COUNTED: dict[str, _Model] = {}
 several jobs (the test suite) asks again for the same architectures."""
 
 
-def _count_parameters(hf_config) -> _Model:
-    key = hf_config.to_json_string()
+def _count_parameters(hf_config, lora: LoRAConfig = NO_LORA) -> _Model:
+    key = hf_config.to_json_string() + repr(lora)
     if key not in _COUNTED:
-        _COUNTED[key] = _build_and_count(hf_config)
+        _COUNTED[key] = _build_and_count(hf_config, lora)
     return _COUNTED[key]
 
 
-def _build_and_count(hf_config) -> _Model:
+def _build_and_count(hf_config, lora: LoRAConfig) -> _Model:
     family = family_of(hf_config)
     with torch.device("meta"):
         model = family.model_cls()(hf_config)
     num_params = sum(p.numel() for p in model.parameters())
     num_vision = sum(p.numel() for p in family.vision_tower(model).parameters())
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in family.decoder_layers(model))
-    return _Model(num_params, num_vision, layer_params, hf_config.text_config)
+    adapted = target_module_names(model, lora) if lora.enabled else []
+    modules = dict(model.named_modules())
+    num_adapter = sum(lora.rank * (modules[n].in_features + modules[n].out_features) for n in adapted)
+    return _Model(num_params, num_vision, layer_params, hf_config.text_config, num_adapter, len(adapted))
 
 
 def _batches(cfg: Config, world: int) -> _Batches:
@@ -135,13 +149,14 @@ def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: flo
     validate(cfg, world, local_files=False)  # planned for another machine: its files need not be here
     a = cfg.worker.actor
     hf_config, source = model_config(a.model.model_path, trust_remote_code=a.model.trust_remote_code)
-    model = _count_parameters(hf_config)
+    model = _count_parameters(hf_config, a.model.lora)
     b = _batches(cfg, world)
     lines = [
         f"plan: {nnodes} nodes x {nproc_per_node} devices = world {world}; config valid for this world size",
         f"model: {a.model.model_path} ({source} config): {model.num_params / 1e9:.2f}B parameters "
         f"(vision {model.num_vision / 1e6:.0f}M, largest decoder layer {model.layer_params / 1e6:.0f}M), "
         f"tie_word_embeddings={hf_config.tie_word_embeddings}",
+        *_lora_lines(cfg, model, b),
         *_layout_lines(cfg, b),
         _shapes_line(cfg, b.seq, family_of(hf_config).patch_size),
         *_memory_lines(cfg, model, b, device_memory_gb),
@@ -232,15 +247,55 @@ def _train_memory(cfg: Config, model: _Model, b: _Batches) -> dict[str, float]:
     activations = f"activations (estimate: {tokens} tokens' layer inputs kept" + (
         ", checkpointing)" if checkpointing else ", no checkpointing x ~16)"
     )
+    if a.model.lora.enabled:  # frozen base in the compute dtype, fp32 adapters, no reference model
+        base = _base_dtype(cfg)
+        where = " (CPU offload)" if a.fsdp.offload_params else ""
+        state = {
+            f"policy: frozen base {base} shard{where}": 0.0 if where else BYTES[base] * shard,
+            "policy: LoRA adapters fp32 shard": 4 * model.num_adapter / world,
+            "gradients fp32 shard (adapters only)": 4 * model.num_adapter / world,
+            "AdamW states fp32 shard (adapters only)": 8 * model.num_adapter / world,
+        }
+        reference, ref_bytes = "reference: none (the policy with its adapters disabled)", 0.0
+    else:
+        state = {
+            "policy fp32 master shard": 4 * shard,
+            "gradients fp32 shard": 4 * trainable / world,
+            "AdamW states fp32 shard": 8 * trainable / world,
+        }
+        ref_bytes = 0.0 if ref_offload or not cfg.algorithm.use_kl_loss else BYTES[ref_dtype] * shard
     return {
-        "policy fp32 master shard": 4 * shard,
-        "gradients fp32 shard": 4 * trainable / world,
-        "AdamW states fp32 shard": 8 * trainable / world,
+        **state,
         "gathered bf16 layer (+ prefetch)": 2 * BF16 * model.layer_params,
-        reference: 0.0 if ref_offload or not cfg.algorithm.use_kl_loss else BYTES[ref_dtype] * shard,
+        reference: ref_bytes,
         logits: 4 * a.logprob_chunk_size * text.vocab_size * 2,
         activations: tokens * text.hidden_size * BF16 * text.num_hidden_layers * per_layer,
     }
+
+
+def _base_dtype(cfg: Config) -> str:
+    """The dtype a LoRA policy's frozen base is held in on accelerators (fsdp.param_dtype, auto = bf16)."""
+    name = cfg.worker.actor.fsdp.param_dtype
+    return "bfloat16" if name == "auto" else name
+
+
+def _resident(cfg: Config, est: dict[str, float]) -> float:
+    """What stays on the device while vLLM runs: the policy's shards and (unless offloaded) AdamW states."""
+    keep = ("policy",) if cfg.worker.actor.fsdp.offload_optimizer else ("policy", "AdamW")
+    return sum(v for k, v in est.items() if k.startswith(keep))
+
+
+def _lora_lines(cfg: Config, model: _Model, b: _Batches) -> list[str]:
+    lora = cfg.worker.actor.model.lora
+    if not lora.enabled:
+        return []
+    return [
+        f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {model.num_adapted} linear layers: "
+        f"{model.num_adapter / 1e6:.1f}M trainable parameters ({100 * model.num_adapter / model.num_params:.2f}%"
+        f" of {model.num_params / 1e9:.2f}B); a checkpoint holds the adapters + Adam moments: "
+        f"{12 * model.num_adapter / GiB:.2f} GiB (full fine-tuning: {12 * model.num_params / GiB:.0f} GiB); "
+        f"no reference model (the policy with its adapters disabled)"
+    ]
 
 
 def _load_line(cfg: Config, model: _Model, b: _Batches, budget: float, device_memory_gb: float) -> str:
@@ -250,8 +305,10 @@ def _load_line(cfg: Config, model: _Model, b: _Batches, budget: float, device_me
     rank, the previous way, put 4 bytes x all parameters on each device and in host RAM)."""
     a, ref = cfg.worker.actor, cfg.worker.ref
     shard = model.num_params / b.world
-    policy = 0.0 if a.fsdp.offload_params else 4 * shard
-    use_ref = cfg.algorithm.use_kl_loss and not ref.offload_params
+    lora = a.model.lora.enabled
+    policy = 0.0 if a.fsdp.offload_params else (BYTES[_base_dtype(cfg)] if lora else 4) * shard
+    policy += 4 * model.num_adapter / b.world
+    use_ref = cfg.algorithm.use_kl_loss and not ref.offload_params and not lora
     reference = BYTES[_reference_dtype(cfg)] * shard if use_ref else 0.0
     transient = 4 * model.text.vocab_size * model.text.hidden_size / b.world  # fp32 slice of the embedding
     models = policy + reference + transient
@@ -259,7 +316,7 @@ def _load_line(cfg: Config, model: _Model, b: _Batches, budget: float, device_me
     fits = "fits" if total <= device_memory_gb * GiB else "DOES NOT FIT"
     return (
         f"  load    policy shard {policy / GiB:.2f} + reference shard {reference / GiB:.2f}"
-        + (" (offloaded to host)" if cfg.algorithm.use_kl_loss and ref.offload_params else "")
+        + (" (offloaded to host)" if cfg.algorithm.use_kl_loss and ref.offload_params and not lora else "")
         + f" + one slice read "
         f"{transient / GiB:.2f} = {models / GiB:.2f} GiB, then vLLM (dummy weights, reservation {budget / GiB:.1f} "
         f"GiB) = {total / GiB:.1f} GiB -> {fits}; host: one slice buffer per rank (whole-model load per rank, "
@@ -281,7 +338,7 @@ def _memory_lines(cfg: Config, model: _Model, b: _Batches, device_memory_gb: flo
     concurrent = int(kv_capacity // (seq * kv_per_token))
     group_seqs = b.prompts_per_rank * tp * r.n
     offload = a.fsdp.offload_optimizer
-    resident = est["policy fp32 master shard"] + (0.0 if offload else est["AdamW states fp32 shard"])
+    resident = _resident(cfg, est)
     train_total = sum(est.values())
     headroom = "fits" if train_total <= 0.9 * device_memory_gb * GiB else "TOO TIGHT (> 90% of the device)"
     fits = "fits" if resident + budget <= device_memory_gb * GiB else "DOES NOT FIT"

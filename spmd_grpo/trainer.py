@@ -44,7 +44,7 @@ import torch
 
 from spmd_grpo import parallel as D
 from spmd_grpo.actor.image_features import encode_images
-from spmd_grpo.actor.logprob_pass import compute_logprobs
+from spmd_grpo.actor.logprob_pass import compute_logprobs, compute_ref_logprobs
 from spmd_grpo.actor.optimizer import build_optimizer
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.actor.update import update_policy
@@ -118,9 +118,11 @@ class Trainer:
             shuffle=d.shuffle,
         )
         self.total_steps = cfg.total_steps(self.sampler.steps_per_epoch)
-        self.policy = build_policy(actor, world)
+        self.policy = build_policy(actor, world, seed=cfg.trainer.seed)
         self.optim = build_optimizer(self.policy, actor.optim, self.total_steps)
-        self.reference = build_reference(actor, cfg.worker.ref, world) if cfg.algorithm.use_kl_loss else None
+        self.reference = None  # with LoRA the reference is the policy with its adapters disabled
+        if cfg.algorithm.use_kl_loss and not actor.model.lora.enabled:
+            self.reference = build_reference(actor, cfg.worker.ref, world)
         self.tp_group = D.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
         self.engine = RolloutEngine.from_config(
             cfg, world, tie_word_embeddings=bool(self.policy.config.tie_word_embeddings)
@@ -165,11 +167,10 @@ class Trainer:
                             samples, compute_logprobs(self.policy, samples, self.spec), strict=True
                         ):
                             s.old_logprobs = lp
-                if self.reference is not None:
+                if self.cfg.algorithm.use_kl_loss:
                     with timer("ref"):
-                        for s, lp in zip(
-                            samples, compute_logprobs(self.reference, samples, self.spec), strict=True
-                        ):
+                        ref = compute_ref_logprobs(self.reference, self.policy, samples, self.spec)
+                        for s, lp in zip(samples, ref, strict=True):
                             s.ref_logprobs = lp
                 with timer("update_actor"):
                     m.update(update_policy(self.policy, self.optim, samples, self.spec, self.world))

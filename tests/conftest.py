@@ -165,19 +165,25 @@ CHECKPOINT_JOB = "tests/jobs/checkpoint_roundtrip.py"
 
 @pytest.fixture(scope="session")
 def saved_checkpoints(tmp_path_factory):
-    """`saved_checkpoints(model_dir)` -> directory with `run/` (checkpoints of steps 1 and 2, saved at world 2
+    """`saved_checkpoints(model_dir, lora_rank=0)` -> directory with `run/` (checkpoints of steps 1 and 2, saved at world 2
     by tests/jobs/checkpoint_roundtrip.py) and `save.pt` (what the job recorded): one launch per model for
     the whole session, shared by the checkpoint and export tests."""
-    cache: dict[Path, Path] = {}
+    cache: dict[tuple[Path, int], Path] = {}
 
-    def get(model_dir: Path) -> Path:
-        if model_dir not in cache:
+    def get(model_dir: Path, lora_rank: int = 0) -> Path:
+        if (model_dir, lora_rank) not in cache:
             work = tmp_path_factory.mktemp("ckpt")
-            torchrun(
-                [CHECKPOINT_JOB, str(model_dir), str(work / "run"), str(work / "save.pt"), "--phase", "save"]
-            )
-            cache[model_dir] = work
-        return cache[model_dir]
+            job = [
+                CHECKPOINT_JOB,
+                str(model_dir),
+                str(work / "run"),
+                str(work / "save.pt"),
+                "--phase",
+                "save",
+            ]
+            torchrun([*job, "--lora-rank", str(lora_rank)])
+            cache[model_dir, lora_rank] = work
+        return cache[model_dir, lora_rank]
 
     return get
 

@@ -19,7 +19,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "encode_images",
             "attach_image_features",
         ),
-        "logprob_pass": ("compute_logprobs",),
+        "logprob_pass": ("compute_logprobs", "compute_ref_logprobs"),
         "micro_batches": (
             "collate_samples",
             "uses_packing",

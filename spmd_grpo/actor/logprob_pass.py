@@ -1,5 +1,6 @@
 """The forward-only logprob pass: old-policy and reference logprobs of the response tokens, micro-batched the
-same way as the update (the same count on every rank), with no autograd graph.
+same way as the update (the same count on every rank), with no autograd graph. The pass runs the model in
+eval mode (LoRA dropout off: the logprobs vLLM sampled from and the reference have no dropout either).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from spmd_grpo.actor.micro_batches import collate_for, micro_batches, uses_packi
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
 from spmd_grpo.models.families import family_of
+from spmd_grpo.models.lora import adapters_disabled
 
 
 @torch.no_grad()
@@ -22,6 +24,26 @@ def compute_logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) 
     sample: the tower's share of the pass drops by the factor n (Qwen2.5-VL-7B: a 675M-parameter tower over
     ~4 patches per image token, roughly a fifth of a geometry3k sample's forward, run once instead of 5
     times for n = 5)."""
+    training = model.training
+    model.eval()
+    try:
+        return _logprobs(model, samples, spec)
+    finally:
+        model.train(training)
+
+
+def compute_ref_logprobs(
+    reference: nn.Module | None, policy: nn.Module, samples: list[Sample], spec: UpdateSpec
+) -> list[torch.Tensor]:
+    """Reference logprobs: from the reference model, or, with LoRA (no reference model is built), from the
+    policy with its adapters disabled (the base weights, verl's LoRA reference)."""
+    if reference is not None:
+        return compute_logprobs(reference, samples, spec)
+    with adapters_disabled(policy):
+        return compute_logprobs(policy, samples, spec)
+
+
+def _logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> list[torch.Tensor]:
     per_pass = spec.encode_once_per_pass and family_of(model.config).reusable_image_features
     if per_pass:
         attach_image_features(model, samples, spec)

@@ -73,6 +73,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "version_line",
         ),
         "workers": (
+            "LORA_ALL_LINEAR",
+            "LoRAConfig",
             "ModelConfig",
             "OptimConfig",
             "FSDPConfig",

@@ -61,6 +61,13 @@ def _check_across_sections(cfg: Config) -> None:
         f"trainer.val_freq ({t.val_freq}) / trainer.val_before_train ({t.val_before_train}) ask for "
         "validation but data.val_files is not set (set it, or val_freq=-1 and val_before_train=false)",
     )
+    lora = cfg.worker.actor.model.lora
+    require(
+        not (lora.enabled and cfg.worker.rollout.lora_sync == "adapter")
+        or (lora.target_modules == "all-linear" or "lm_head" not in lora.target_modules),
+        "worker.rollout.lora_sync=adapter cannot serve an adapter on lm_head "
+        "(worker.actor.model.lora.target_modules): vLLM has no LoRA on the output head; use merged",
+    )
     fg = cfg.algorithm.filter_groups
     require(
         not fg.enable

@@ -19,6 +19,52 @@ from spmd_grpo.config.checks import (
     require_top_k,
 )
 
+LORA_ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters on the policy (PEFT's LoRA: y = W x + alpha / rank * B A x, B initialised to 0).
+
+    rank 0 (the default) is full fine-tuning. With rank > 0 the base weights are frozen and held in the
+    compute dtype, only the adapters train (fp32), and the KL reference is the policy with its adapters
+    disabled (as verl; no second model)."""
+
+    rank: int = 0
+    """0: off (full fine-tuning). verl's `lora_rank`."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's `lora_dropout`); applied in every training-mode forward."""
+    target_modules: str | tuple[str, ...] = LORA_ALL_LINEAR
+    """`all-linear` (every nn.Linear but the output head, as PEFT) or module names: a name matches a module
+    whose name is it or ends with `.<name>` (PEFT's rule), e.g. [q_proj, v_proj]."""
+    exclude_modules: tuple[str, ...] = ("model.visual",)
+    """Module-name prefixes (in-memory names) that get no adapter. Default: the vision tower with its
+    merger; [] lets `target_modules` reach the tower too."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def check(self, prefix: str) -> None:
+        require_at_least(self, prefix, 0, "rank")
+        require_positive(self, prefix, "alpha")
+        require(0 <= self.dropout < 1, f"{prefix}dropout must be in [0, 1), got {self.dropout}")
+        targets = self.target_modules
+        require(
+            targets == LORA_ALL_LINEAR
+            or (isinstance(targets, tuple) and bool(targets) and all(_module_name(t) for t in targets)),
+            f"{prefix}target_modules must be {LORA_ALL_LINEAR!r} or a non-empty list of module names, "
+            f"got {targets!r}",
+        )
+        bad = [e for e in self.exclude_modules if not _module_name(e)]
+        require(not bad, f"{prefix}exclude_modules must hold module names (a.b.c), got {bad}")
+
+
+def _module_name(name: str) -> bool:
+    return bool(name) and all(part.isidentifier() or part.isdigit() for part in name.split("."))
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -30,6 +76,7 @@ class ModelConfig:
     """Passed to transformers (config, processor) and to vLLM: allow code shipped with the checkpoint."""
     freeze_vision_tower: bool = False
     enable_gradient_checkpointing: bool = False
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def check(self, prefix: str) -> None:
         require(self.model_path != "", f"{prefix}model_path must be set (a local directory or HF id)")
@@ -185,6 +232,9 @@ class RolloutConfig:
     kv_cache_memory_gb: float = 1.0
     """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     weight_sync_bucket_mb: int = 512
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With worker.actor.model.lora: `merged` pushes base + alpha / r * B A per adapted weight (any vLLM model);
+    `adapter` pushes the base once, then only the adapters into vLLM's LoRA support (enable_lora)."""
     val_override: ValOverrideConfig = field(default_factory=ValOverrideConfig)
 
     def check(self, prefix: str) -> None:

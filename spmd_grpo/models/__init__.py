@@ -2,6 +2,7 @@
 
     families.py   what differs between Qwen2-VL, Qwen2.5-VL and Qwen3-VL (classes, towers, published sizes)
     build.py      build a policy or reference model sharded from the start (meta init -> FSDP2 -> shard-true load)
+    lora.py       LoRA adapters (PEFT): which layers, fp32 adapters on a frozen base, init, adapters off
     weights.py    read each rank's slice of a safetensors checkpoint; FSDP -> Hugging Face parameter names
     attention.py  which attention kernel runs packed sequences, and the CPU variable-length sdpa path
     inputs.py     a micro-batch as the model takes it: padded or packed rows, image inputs, mrope positions
@@ -62,6 +63,21 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "mrope_position_ids",
             "response_token_index",
             "dummy_image",
+        ),
+        "lora": (
+            "ADAPTER",
+            "is_adapter_name",
+            "base_name",
+            "target_module_names",
+            "add_adapters",
+            "lora_layers",
+            "has_adapters",
+            "set_full_tensor",
+            "init_adapters",
+            "adapters_disabled",
+            "merge_sources",
+            "head_parts",
+            "merged_weight",
         ),
         "policy": (
             "VISION_TOKEN_KEYS",

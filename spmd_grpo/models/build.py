@@ -56,6 +56,7 @@ from torch import nn
 from spmd_grpo.config.workers import ActorConfig, FSDPConfig, RefConfig
 from spmd_grpo.models.attention import varlen_attention
 from spmd_grpo.models.families import family_of
+from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_adapter_name
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from spmd_grpo.models.weights import load_safetensors_into
 from spmd_grpo.parallel.collectives import World, barrier
@@ -183,7 +184,8 @@ def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offlo
     """Give the sharded meta model real local shards and read them from the safetensors in `path`."""
     hf = model.hf
     hf.to_empty(device="cpu" if offload else world.device)  # FSDP2 offload wants host shards
-    state = hf.state_dict()
+    # LoRA: the adapters are not in the checkpoint (initialised by the caller); base weights by their own name.
+    state = {base_name(k): v for k, v in hf.state_dict().items() if not is_adapter_name(k)}
     if getattr(hf.config, "tie_word_embeddings", False):
         if hf.lm_head.weight is not hf.get_input_embeddings().weight:
             raise RuntimeError("tie_word_embeddings is set but lm_head and the embeddings are not tied")
@@ -192,12 +194,18 @@ def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offlo
     init_non_persistent_buffers(hf, world.device)
 
 
-def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, training: bool) -> PolicyModule:
-    """PolicyModule of `cfg.model` in `dtype`, sharded with `cfg.fsdp` and filled from the checkpoint."""
+def build_sharded(
+    cfg: ActorConfig, dtype: torch.dtype, world: World, *, training: bool, seed: int = 0
+) -> PolicyModule:
+    """PolicyModule of `cfg.model` in `dtype`, sharded with `cfg.fsdp` and filled from the checkpoint; for
+    training with `cfg.model.lora` the base is frozen and fp32 adapters (initialised from `seed`) are added."""
     path = model_dir(cfg.model.model_path, world)
     packed, attention = attention_setup(cfg.padding_free, world.device_type)
     hf = meta_hf_model(path, dtype, attention, trust_remote_code=cfg.model.trust_remote_code)
     family = family_of(hf.config)
+    lora = training and cfg.model.lora.enabled
+    if lora:
+        hf = add_adapters(hf, cfg.model.lora)
     if training and cfg.model.freeze_vision_tower:
         family.vision_tower(hf).requires_grad_(False)
     if training and cfg.model.enable_gradient_checkpointing:
@@ -211,12 +219,18 @@ def build_sharded(cfg: ActorConfig, dtype: torch.dtype, world: World, *, trainin
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)
     fill_from_checkpoint(model, path, world, offload=cfg.fsdp.offload_params)
+    if lora:
+        init_adapters(model, seed)
     return model.train(training)
 
 
-def build_policy(cfg: ActorConfig, world: World) -> PolicyModule:
-    """The trainable policy, fp32 master weights on every device (NPU included), gathered in param_dtype."""
-    return build_sharded(cfg, torch.float32, world, training=True)
+def build_policy(cfg: ActorConfig, world: World, *, seed: int = 0) -> PolicyModule:
+    """The trainable policy, fp32 master weights on every device (NPU included), gathered in param_dtype.
+    With LoRA the frozen base is held in param_dtype (resolved) and only the adapters are fp32."""
+    dtype = (
+        resolve_dtype(cfg.fsdp.param_dtype, world.device_type) if cfg.model.lora.enabled else torch.float32
+    )
+    return build_sharded(cfg, dtype, world, training=True, seed=seed)
 
 
 def build_reference(cfg: ActorConfig, ref: RefConfig, world: World) -> PolicyModule:

@@ -295,6 +295,7 @@ QWEN2_5_VL = Family(
         _qwen2_5_vl_published("Qwen/Qwen2.5-VL-3B-Instruct", (2048, 11008, 36, 16, 2), True),
         _qwen2_5_vl_published("Qwen/Qwen2.5-VL-7B-Instruct", (3584, 18944, 28, 28, 4), False),
         _qwen2_5_vl_published("Qwen/Qwen2.5-VL-32B-Instruct", (5120, 27648, 64, 40, 8), False),
+        _qwen2_5_vl_published("Qwen/Qwen2.5-VL-72B-Instruct", (8192, 29568, 80, 64, 8), False),
     ),
 )
 QWEN3_VL = Family(
@@ -332,6 +333,7 @@ SIZES_B: dict[str, float] = {
     "Qwen/Qwen2.5-VL-3B-Instruct": 3.75,
     "Qwen/Qwen2.5-VL-7B-Instruct": 8.29,
     "Qwen/Qwen2.5-VL-32B-Instruct": 33.5,
+    "Qwen/Qwen2.5-VL-72B-Instruct": 73.4,
     "Qwen/Qwen3-VL-2B-Instruct": 2.13,
     "Qwen/Qwen3-VL-4B-Instruct": 4.44,
     "Qwen/Qwen3-VL-8B-Instruct": 8.77,

@@ -47,6 +47,7 @@ from spmd_grpo.models.inputs import (
     mrope_position_ids,
     response_token_index,
 )
+from spmd_grpo.models.lora import head_parts
 
 VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -66,6 +67,18 @@ def _tensors(obj) -> list[torch.Tensor]:
     return [t for v in values for t in _tensors(v)]
 
 
+def _head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, adapter: tuple | None
+) -> torch.Tensor:
+    """The output head's logits; with a LoRA adapter on the head (A, B, scale, dropout) as PEFT computes
+    them: base(x) + scale * B(A(dropout(x)))."""
+    logits = F.linear(hidden, weight, bias)
+    if adapter is not None:
+        a, b, scale, dropout = adapter
+        logits = logits + scale * F.linear(F.linear(dropout(hidden), a), b)
+    return logits
+
+
 def _chunk_logprob_entropy(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -75,8 +88,9 @@ def _chunk_logprob_entropy(
     inv_temperature: float,
     suppress_ids: torch.Tensor,
     with_entropy: bool,
+    adapter: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float() * inv_temperature  # [chunk, V]
+    logits = _head_logits(hidden, weight, bias, adapter).float() * inv_temperature  # [chunk, V]
     if suppress_ids.numel():
         logits = logits.index_fill(1, suppress_ids, float("-inf"))
     logz = torch.logsumexp(logits, dim=-1)
@@ -184,14 +198,17 @@ class PolicyModule(nn.Module):
         row, src = response_token_index(batch)
         h = hidden[row, src]  # [N, H]
         targets = batch.input_ids[row, src + 1]  # [N]
-        head = self.hf.lm_head
+        weight, bias, adapter = head_parts(self.hf.lm_head)
         kwargs = dict(
-            inv_temperature=1.0 / temperature, suppress_ids=self.suppress_ids, with_entropy=with_entropy
+            inv_temperature=1.0 / temperature,
+            suppress_ids=self.suppress_ids,
+            with_entropy=with_entropy,
+            adapter=adapter,
         )
         logprob_chunks, entropy_chunks = [], []
         for start in range(0, h.shape[0], self.chunk_size):
             piece = slice(start, start + self.chunk_size)
-            args = (h[piece], targets[piece], head.weight, head.bias)
+            args = (h[piece], targets[piece], weight, bias)
             if torch.is_grad_enabled():
                 lp, ent = checkpoint(_chunk_logprob_entropy, *args, use_reentrant=False, **kwargs)
             else:
@@ -207,6 +224,6 @@ class PolicyModule(nn.Module):
         elif torch.is_grad_enabled():
             # No response token: a zero term keeps every parameter in the graph, so a loss of this batch
             # can run backward (and FSDP reduces the same gradients on every rank), adding zero.
-            anchor = F.linear(hidden[:, -1], head.weight, head.bias).float().sum() * 0.0
+            anchor = _head_logits(hidden[:, -1], weight, bias, adapter).float().sum() * 0.0
             logprobs, entropy = logprobs + anchor, entropy + anchor
         return logprobs, entropy

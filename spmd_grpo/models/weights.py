@@ -208,7 +208,8 @@ def load_safetensors_into(
 
 
 def hf_name(fsdp_name: str) -> str:
-    """Parameter name as in the HF checkpoint (drops activation-checkpoint / compile wrapper prefixes)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+    """Parameter name as in the HF checkpoint (drops activation-checkpoint / compile wrapper prefixes and
+    PEFT's `base_layer.` of a LoRA-wrapped linear layer)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "base_layer."):
         fsdp_name = fsdp_name.replace(wrapper, "")
     return fsdp_name.removeprefix("hf.")  # PolicyModule's attribute

@@ -2,6 +2,7 @@
 
     engine.py            `RolloutEngine`: one in-process vLLM per rank, sleep/wake, weights version, optimizer offload
     weight_sync.py       the sharded weight stream from the FSDP2 policy into vLLM, in buckets
+    lora_sync.py         adapter-only weight sync: LoRA adapters into vLLM's enable_lora under a new id each push
     generate.py          this rank's prompts -> sampled responses (tensor-parallel groups submit identical requests)
     dynamic_sampling.py  DAPO dynamic sampling as SPMD: keep generating until enough groups have spread
     sample_exchange.py   moving samples between ranks as raw bytes (DAPO rebalancing)
@@ -20,6 +21,12 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "kept_groups",
             "count_groups",
             "select_and_rebalance",
+        ),
+        "lora_sync": (
+            "VLLM_MAX_LORA_RANKS",
+            "vllm_lora_kwargs",
+            "adapter_tensors",
+            "AdapterSync",
         ),
         "engine": (
             "NO_WEIGHTS",

@@ -35,6 +35,9 @@ cache miss" without the reset). A push is skipped when the engine already holds 
 parameters that do not require grad (a frozen vision tower) are sent only when the engine holds no weights
 of the policy at all: they never change.
 
+LoRA: `worker.rollout.lora_sync` merged pushes base + scale * B A (weight_sync.py); adapter pushes the base
+once and then only the adapters under a new LoRA id each time (lora_sync.py).
+
 Vision special tokens (`<|image_pad|>` etc.) can never be sampled: a logits processor sets them to -inf in
 vLLM, and `models/policy.py` applies the same mask, so vLLM's `processed_logprobs` and the trainer's logprobs
 describe the same distribution.
@@ -57,12 +60,14 @@ import torch
 from torch import nn
 
 from spmd_grpo.config.schema import Config
-from spmd_grpo.config.workers import RolloutConfig
+from spmd_grpo.config.workers import LoRAConfig, RolloutConfig
 from spmd_grpo.models.build import resolve_dtype
+from spmd_grpo.models.lora import merge_sources
 from spmd_grpo.models.policy import unsamplable_token_ids
 from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import World
 from spmd_grpo.parallel.devices import empty_cache, memory_line, set_expandable_segments
+from spmd_grpo.rollout.lora_sync import AdapterSync, vllm_lora_kwargs
 from spmd_grpo.rollout.weight_sync import CountingIterator, iter_sharded_weights
 
 log = logging.getLogger(__name__)
@@ -202,6 +207,8 @@ def _processor_kwargs(cfg: Config) -> dict:
 class RolloutEngine:
     """One vLLM engine per rank, driven in-process (no Ray, no server)."""
 
+    adapters: AdapterSync | None = None  # lora_sync adapter: the pushes of the LoRA adapters
+
     def __init__(
         self,
         model_path: str,
@@ -216,6 +223,7 @@ class RolloutEngine:
         tie_word_embeddings: bool,
         trust_remote_code: bool = False,
         mm_processor_kwargs: dict | None = None,
+        adapter_lora: LoRAConfig | None = None,
     ) -> None:
         from vllm import LLM
 
@@ -244,7 +252,9 @@ class RolloutEngine:
             enable_sleep_mode=self.sleep_enabled,
             logits_processors=[_make_suppress_processor()],
             **_host_side_image_normalisation(),
+            **(vllm_lora_kwargs(adapter_lora) if adapter_lora else {}),
         )
+        self.adapters = AdapterSync(adapter_lora) if adapter_lora else None
         self.stats = EngineStats()  # dummy weights: the first rollout_mode pushes every weight
         self.asleep = False
 
@@ -252,7 +262,7 @@ class RolloutEngine:
     def from_config(cls, cfg: Config, world: World, *, tie_word_embeddings: bool) -> RolloutEngine:
         """The engine as a run's config describes it: the one way the trainer, the test jobs and the
         benchmarks build one, so what they test is the trainer's wiring of every setting."""
-        rollout = cfg.worker.rollout
+        rollout, lora = cfg.worker.rollout, cfg.worker.actor.model.lora
         return cls(
             cfg.worker.actor.model.model_path,
             rollout,
@@ -265,6 +275,7 @@ class RolloutEngine:
             tie_word_embeddings=tie_word_embeddings,
             trust_remote_code=cfg.worker.actor.model.trust_remote_code,
             mm_processor_kwargs=_processor_kwargs(cfg),
+            adapter_lora=lora if lora.enabled and rollout.lora_sync == "adapter" else None,
         )
 
     def settings(self) -> dict:
@@ -330,18 +341,29 @@ class RolloutEngine:
         """Push `policy` (FSDP2-sharded; collective) unless the engine holds `version` already."""
         if version == self.stats.synced_version:
             return
+        if self.adapters is not None and self.stats.synced_version != NO_WEIGHTS:  # the adapters alone
+            start = time.perf_counter()
+            num_bytes = self.adapters.push(self.llm, policy, version)
+            self.stats.num_syncs += 1
+            self.stats.synced_version, self.stats.last_sync_bytes = version, num_bytes
+            self.stats.last_sync_s = time.perf_counter() - start
+            return
         # A parameter that does not require grad never changes: send it only to an engine without weights.
         frozen = set()
-        if self.stats.synced_version != NO_WEIGHTS:
+        if self.stats.synced_version != NO_WEIGHTS:  # (a LoRA-adapted base weight changes with its adapters)
             frozen = {hf_name(n) for n, p in policy.named_parameters() if not p.requires_grad}
+            frozen -= merge_sources(policy).keys()
         weights = iter_sharded_weights(
             policy,
             self.dtype,
             self.cfg.weight_sync_bucket_mb << 20,
             tie_word_embeddings=self.tie_word_embeddings,
             skip=frozen.__contains__,
+            merge=self.adapters is None,
         )
         self.load_weights(weights, version)
+        if self.adapters is not None:  # the unmerged base is in: now its adapters, under a new LoRA id
+            self.stats.last_sync_bytes += self.adapters.push(self.llm, policy, version)
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         """Stream `(hf_name, full_tensor)` into the engine, then drop every cache derived from old weights."""
@@ -379,9 +401,12 @@ class RolloutEngine:
         first it raised "Invalid process group specified". Call this last, before `collectives.destroy()`.
         """
         self.llm.llm_engine.engine_core.shutdown()
+        if self.adapters is not None:
+            self.adapters.close()
 
     def generate(self, prompts: list, sampling_params: list) -> list:
-        return self.llm.generate(prompts, sampling_params, use_tqdm=False)
+        lora = self.adapters.request if self.adapters is not None else None  # the current adapter's id
+        return self.llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=lora)
 
 
 @functools.cache

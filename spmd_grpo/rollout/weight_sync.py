@@ -4,6 +4,10 @@ Parameters are grouped in buckets of about `worker.rollout.weight_sync_bucket_mb
 vision block is never split), each bucket all-gathered once in the rollout dtype (the local shard is cast first, so fp32 masters
 never travel) and handed to vLLM's `reload_weights` as `(hf_name, full_tensor)` pairs, in the same order on
 every rank. With tied embeddings `lm_head.weight` is sent too (vLLM keeps the old head otherwise).
+
+LoRA, merged mode: the adapters never travel on their own; each adapted base weight is sent under its HF
+name as `W + alpha / r * B @ A` (computed in fp32 after gathering the base in the rollout dtype and the
+adapters whole in fp32), so vLLM needs no LoRA support and any model it serves works.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from spmd_grpo.models.lora import is_adapter_name, merge_sources, merged_weight
 from spmd_grpo.models.weights import hf_name
 
 
@@ -66,6 +71,7 @@ def iter_weight_buckets(
     *,
     tie_word_embeddings: bool,
     skip: Callable[[str], bool] = lambda name: False,
+    merge: bool = True,
 ) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
     """Yield `(gathered_bytes, tensors)` per bucket; `tensors` yields `(hf_name, full tensor in dtype)`.
 
@@ -77,23 +83,31 @@ def iter_weight_buckets(
     Live memory: one gathered bucket (`_GatheredBucket`, no send buffer or backend temporary) plus the
     tensors the consumer still holds; a replicated parameter is materialised alone, outside the bucket.
     """
-    params = [(hf_name(n), p) for n, p in model.named_parameters() if not skip(hf_name(n))]
+    merges = merge_sources(model) if merge else {}  # LoRA: base weight -> its adapters (none without LoRA)
+    params = [
+        (hf_name(n), p)
+        for n, p in model.named_parameters()
+        if not is_adapter_name(n) and not skip(hf_name(n))
+    ]
     embed_name = next((n for n, _ in params if n.endswith("embed_tokens.weight")), None)
     itemsize = torch.empty((), dtype=dtype).element_size()
     for bucket in _buckets(params, itemsize, bucket_bytes):
         sharded = [(n, p) for n, p in bucket if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)]
         gathered = _GatheredBucket(sharded, dtype) if sharded else None
         lm_head_from = embed_name if tie_word_embeddings else None
-        yield (gathered.num_bytes if gathered else 0), _bucket_tensors(bucket, gathered, dtype, lm_head_from)
+        tensors = _bucket_tensors(bucket, gathered, dtype, lm_head_from, merges)
+        yield (gathered.num_bytes if gathered else 0), tensors
         del gathered
 
 
-def _bucket_tensors(bucket, gathered, dtype: torch.dtype, lm_head_from: str | None):
+def _bucket_tensors(bucket, gathered, dtype: torch.dtype, lm_head_from: str | None, merges: dict):
     for n, p in bucket:
         if gathered is not None and n in gathered.layout:
             t = gathered.take(n)
         else:  # replicated, or a plain tensor in an unsharded model
             t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(dtype)
+        if n in merges:
+            t = merged_weight(t, merges[n])
         yield n, t
         if n == lm_head_from:
             yield "lm_head.weight", t
@@ -107,11 +121,12 @@ def iter_sharded_weights(
     *,
     tie_word_embeddings: bool,
     skip: Callable[[str], bool] = lambda name: False,
+    merge: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full tensor in dtype)` for every parameter, gathering one bucket at a time
-    (`iter_weight_buckets` flattened)."""
+    (`iter_weight_buckets` flattened; `merge=False`: LoRA base weights without their adapters)."""
     buckets = iter_weight_buckets(
-        model, dtype, bucket_bytes, tie_word_embeddings=tie_word_embeddings, skip=skip
+        model, dtype, bucket_bytes, tie_word_embeddings=tie_word_embeddings, skip=skip, merge=merge
     )
     for _, tensors in buckets:
         yield from tensors

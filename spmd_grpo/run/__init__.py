@@ -6,6 +6,7 @@
     lineage.py     a resume from an earlier checkpoint sets the later ones (an abandoned branch) aside
     lock.py        one job per run directory: an exclusive lock rank 0 holds for the job's life
     export.py      `python -m spmd_grpo.export CKPT OUT`: a checkpoint as a Hugging Face model directory
+    export_lora.py the same for a LoRA checkpoint: a PEFT adapter directory, optionally the merged model
 
 The names below are imported on first use, so importing one module of the package stays light.
 """
@@ -45,10 +46,15 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ),
         "export": (
             "DTYPES",
-            "MODEL_PREFIX",
             "SIDE_FILE_SUFFIXES",
             "NOT_COPIED",
             "export_hf",
+        ),
+        "export_lora": (
+            "MODEL_PREFIX",
+            "ADAPTER_FILE",
+            "adapter_keys",
+            "export_adapter",
         ),
         "lock": (
             "LOCK",

@@ -26,6 +26,11 @@ first deletes a checkpoint's `trainer_state.json` (making it incomplete in one s
 while pruning cannot leave a half-deleted directory that looks complete. `run_dir` must be on a filesystem that
 every rank sees (one shared directory on multi-node runs).
 
+LoRA (`worker.actor.model.lora`): "model" and "optim" hold only the adapters and their Adam state
+(`ignore_frozen_params`); the frozen base is `model_path`, read again at start-up. Qwen2.5-VL-72B with
+rank 16 on every language-model linear layer: 0.21B adapter parameters, 0.84 GB of fp32 adapters + 1.68 GB
+of Adam moments = 2.5 GB per checkpoint instead of ~1.2 TB for full fine-tuning.
+
 Resharding: DCP stores each tensor's global shape and the chunks each rank wrote; `load_checkpoint` asks for the
 shards of the CURRENT world's DTensors, so a checkpoint saved at world size W loads at any world size (model and
 Adam state). The RNG streams are per rank and are only restored when the world size is unchanged; otherwise they
@@ -56,8 +61,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from spmd_grpo.models.lora import has_adapters
 from spmd_grpo.parallel.collectives import World, all_gather_objects, barrier
 from spmd_grpo.parallel.devices import device_module
 from spmd_grpo.run.manifest import file_entries, verify_manifest, write_manifest
@@ -226,7 +232,7 @@ def _write_files(
 ) -> list[str]:
     """This rank's share of the checkpoint (DCP shards, RNG; rank 0: the scheduler and config too); returns
     the names it wrote, which it checksums for the manifest."""
-    model_sd, optim_sd = get_state_dict(policy, optim.optimizer)
+    model_sd, optim_sd = get_state_dict(policy, optim.optimizer, options=_options(policy))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # .metadata written last
     written = [f"rng/rank{world.rank}.pt", *(p.name for p in tmp.glob(f"__{world.rank}_*.distcp"))]
     torch.save(_rng_state(world), tmp / written[0])
@@ -349,12 +355,17 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
         {k: v for k, v in g.items() if k not in ("params", "lr")} for g in optim.optimizer.param_groups
     ]
     base_lrs = list(optim.scheduler.base_lrs)
-    model_sd, optim_sd = get_state_dict(policy, optim.optimizer)
+    options = _options(policy)
+    model_sd, optim_sd = get_state_dict(policy, optim.optimizer, options=options)
     to_load = {"model": model_sd, "optim": optim_sd}
     _check_keys(path, to_load)
     dcp.load(to_load, checkpoint_id=str(path))
     set_state_dict(
-        policy, optim.optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"]
+        policy,
+        optim.optimizer,
+        model_state_dict=to_load["model"],
+        optim_state_dict=to_load["optim"],
+        options=options,
     )
     optim.scheduler.load_state_dict(_load_data(path / SCHEDULER))
     _keep_settings(optim, settings, base_lrs)
@@ -370,6 +381,13 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
         log.warning("rank %d: RNG streams restart from the seed: %s is missing", world.rank, rng_file)
     log.info("resumed from %s (step %s)", path, state.get("step"))
     return state
+
+
+def _options(policy: nn.Module) -> StateDictOptions:
+    """With LoRA adapters only the trainable parameters are saved and loaded (the base is `model_path`, so
+    the load is not strict about the frozen keys it leaves alone)."""
+    lora = has_adapters(policy)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def _keep_settings(optim: OptimizerBundle, settings: list[dict], base_lrs: list[float]) -> None:

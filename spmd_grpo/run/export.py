@@ -1,6 +1,10 @@
 """Export a training checkpoint as a Hugging Face model directory (transformers / vLLM load it directly).
 
     python -m spmd_grpo.export CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--model-path DIR] [--shard-size-mb 2048]
+                               [--merged MERGED_DIR]
+
+A LoRA checkpoint (adapters only) is written as a PEFT adapter directory instead, and with `--merged` also
+as the merged HF model (run/export_lora.py).
 
 Single process, no process group: DCP's no-dist load path. The export streams: the tensors are grouped into
 shards of at most `--shard-size-mb` (in the output dtype) from the DCP metadata alone, and each shard is read
@@ -39,11 +43,11 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 from spmd_grpo.models.families import family_of_model_path
 from spmd_grpo.models.weights import INDEX, hf_name
 from spmd_grpo.run.checkpoint import TRAINER_STATE, missing_parts
+from spmd_grpo.run.export_lora import MODEL_PREFIX, adapter_keys, export_adapter
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-MODEL_PREFIX = "model."  # DCP key prefix of the policy (checkpoint.py saves {"model": ..., "optim": ...})
 # Everything a model directory needs besides its weights (configs, tokenizer, processor, chat template, code).
 SIDE_FILE_SUFFIXES = {".json", ".txt", ".jinja", ".model", ".tiktoken", ".py"}
 NOT_COPIED = {INDEX, "pytorch_model.bin.index.json", TRAINER_STATE}
@@ -133,13 +137,28 @@ def export_hf(
     *,
     model_path: str | None = None,
     shard_size_mb: int = 2048,
+    merged: Path | str | None = None,
 ) -> Path:
-    """Write the checkpoint's policy as an HF model directory at `out_dir` (see the module docstring)."""
+    """Write the checkpoint's policy as an HF model directory at `out_dir` (see the module docstring); a LoRA
+    checkpoint as a PEFT adapter directory (and the merged model at `merged`)."""
     from transformers import AutoConfig
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     model_path = _check_request(ckpt, dtype, shard_size_mb, model_path=model_path)
     src = _source_dir(model_path)
+    if adapter_keys(ckpt):
+        merged = Path(merged) if merged is not None else None
+        return export_adapter(
+            ckpt,
+            out,
+            DTYPES[dtype],
+            model_path=model_path,
+            src=src,
+            merged=merged,
+            side_files=lambda d: (_copy_side_files(src, d), _write_config(src, d, dtype)),
+        )
+    if merged is not None:
+        raise ValueError(f"--merged is for LoRA checkpoints; {ckpt} holds the whole policy already")
     tie = bool(getattr(AutoConfig.from_pretrained(src), "tie_word_embeddings", False))
     torch_dtype = DTYPES[dtype]
     shards = _plan_shards(_model_entries(ckpt, src, tie=tie), torch_dtype, shard_size_mb << 20)
@@ -252,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--model-path", default=None, help="base model directory (default: the one recorded)")
     ap.add_argument("--shard-size-mb", type=int, default=2048, help="largest safetensors file (MB)")
+    ap.add_argument(
+        "--merged", type=Path, default=None, help="LoRA checkpoints: also write the merged model here"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -261,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             args.dtype,
             model_path=args.model_path,
             shard_size_mb=args.shard_size_mb,
+            merged=args.merged,
         )
     except ValueError as e:
         print(f"export error: {e}", file=sys.stderr)

@@ -31,7 +31,8 @@ are not compared). Each difference is either
     `trainer.allow_config_change=[key,...]` (explicit keys, no wildcard: a careful user names what they
     accept). The list, by what the saved state is:
       - the weights and the optimizer's parameters: `worker.actor.model.model_path` (also the reference
-        model), `tokenizer_path` (token ids), `freeze_vision_tower` (which parameters have Adam state);
+        model), `tokenizer_path` (token ids), `freeze_vision_tower` (which parameters have Adam state), `lora.rank`, `target_modules`,
+        `exclude_modules` (which adapters exist) and `alpha` (their scale);
       - the data position (epoch, batches drawn) indexes a filtered, shuffled data set: `data.train_files`,
         the row keys, `format_prompt`, `system_prompt`, `num_builtin_examples`, `max_prompt_length` and the
         pixel limits (the length filter), `worker.rollout.limit_images` (rows with more images are skipped:
@@ -80,6 +81,11 @@ MEANING_CHANGING: dict[str, str] = {
     "worker.actor.model.model_path": _WEIGHTS + " (and the reference model is built from it)",
     "worker.actor.model.tokenizer_path": "the token ids the policy was trained on",
     "worker.actor.model.freeze_vision_tower": "which parameters the saved optimizer state covers",
+    **dict.fromkeys(
+        [f"worker.actor.model.lora.{k}" for k in ("rank", "target_modules", "exclude_modules")],
+        "which adapters the saved weights and optimizer state are",
+    ),
+    "worker.actor.model.lora.alpha": "the scale the saved adapters were trained with",
     **dict.fromkeys(
         [
             *(f"data.{k}" for k in ("train_files", "prompt_key", "answer_key", "image_key", "format_prompt")),

@@ -20,12 +20,11 @@ def saved(tiny_untied, saved_checkpoints):
     return work, torch.load(work / "save.pt", weights_only=False)
 
 
-def resume(saved, tiny_untied, nproc: int) -> dict:
+def resume(saved, tiny_untied, nproc: int, lora_rank: int = 0) -> dict:
     work, _ = saved
     out = work / f"resume{nproc}.pt"
-    torchrun(
-        [CHECKPOINT_JOB, str(tiny_untied), str(work / "run"), str(out), "--phase", "resume"], nproc=nproc
-    )
+    job = [CHECKPOINT_JOB, str(tiny_untied), str(work / "run"), str(out), "--phase", "resume"]
+    torchrun([*job, "--lora-rank", str(lora_rank)], nproc=nproc)
     return torch.load(out, weights_only=False)
 
 
@@ -81,3 +80,29 @@ def test_resume_at_world_one_reshards(saved, tiny_untied):
     # A different world size reduces gradients in another order: equal up to rounding.
     for name, t in ref["params_after"].items():
         torch.testing.assert_close(got["params_after"][name], t, rtol=0, atol=1e-5, msg=name)
+
+
+def test_lora_checkpoint_holds_adapters_only_and_resumes_at_world_one(tiny_untied, saved_checkpoints):
+    """LoRA: the checkpoint holds the adapters and their Adam state, nothing of the frozen base; a resume at
+    another world size restores them exactly (the base comes from model_path)."""
+    import torch.distributed.checkpoint as dcp
+
+    from spmd_grpo.models.lora import is_adapter_name
+
+    work = saved_checkpoints(tiny_untied, lora_rank=4)
+    ref = torch.load(work / "save.pt", weights_only=False)
+    keys = list(
+        dcp.FileSystemReader(str(work / "run/checkpoints/global_step_2")).read_metadata().state_dict_metadata
+    )
+    model_keys = [k for k in keys if k.startswith("model.")]
+    optim_keys = [k for k in keys if k.startswith("optim.state.")]
+    assert model_keys and all(is_adapter_name(k) for k in model_keys), model_keys[:5]
+    assert optim_keys and all(is_adapter_name(k) for k in optim_keys), optim_keys[:5]
+    assert len(optim_keys) == 3 * len(model_keys)  # exp_avg, exp_avg_sq, step per adapter tensor
+    assert set(ref["at_save"]["exp_avg"]) == {hf for hf in ref["at_save"]["params"] if is_adapter_name(hf)}
+    got = resume((work, ref), tiny_untied, nproc=1, lora_rank=4)
+    assert_same_training_state(ref["at_save"], got["at_save"])
+    for name, t in ref["params_after"].items():
+        torch.testing.assert_close(got["params_after"][name], t, rtol=0, atol=1e-5, msg=name)
+    moved = [n for n, t in ref["params_after"].items() if not torch.equal(t, ref["at_save"]["params"][n])]
+    assert moved and all(is_adapter_name(n) for n in moved)  # only adapters train

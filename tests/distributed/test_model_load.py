@@ -61,3 +61,20 @@ def test_cpu_offload_works_on_cpu_and_changes_no_number(results, world, model):
     assert r["ref_offload_logprobs_equal"] and r["ref_offload_on_host"]
     assert r["policy_offload_mismatches"] == []
     assert r["policy_step_changed"] == r["policy_trainable"] > 0  # the step moved every trainable tensor
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("model", MODELS)
+def test_lora_gradients_equal_single_process_peft(results, world, model):
+    r = results[world, model]
+    assert r["lora_names_match"]
+    assert r["lora_grad_max"] > 1e-3  # both A and B get real gradients (B was made non-zero)
+    assert r["lora_grad_max_diff"] <= 1e-5 * max(1.0, r["lora_grad_max"]), r["lora_grad_max_diff"]
+    ours, theirs = r["lora_grad_norm"]
+    assert abs(ours - theirs) <= 1e-5 * theirs  # actor/grad_norm covers exactly the adapters
+    num_opt, num_adapters = r["lora_optimizer_tensors"]
+    assert num_opt == num_adapters > 0  # Adam state for adapters only
+    assert r["lora_base_mismatches"] == []  # the frozen base loads through the peft-wrapped names
+    assert r["lora_disabled_equals_base"] and r["lora_enabled_differs"]  # the KL reference is the base
+    # fsdp.param_dtype=bfloat16: frozen base in bf16, trainable adapters in fp32
+    assert r["lora_bf16_dtypes"] == [("torch.bfloat16", False, False), ("torch.float32", True, True)]

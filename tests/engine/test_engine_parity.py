@@ -18,24 +18,35 @@ from tests.conftest import tiny_model, torchrun
 TOL = 1e-3
 
 
-CASES = [  # (family, tp, tied): every Qwen2.5-VL variant; the other families untied at TP 1
-    *[("qwen2_5_vl", tp, tied) for tied in (False, True) for tp in (1, 2)],
-    ("qwen2_vl", 1, False),
-    ("qwen3_vl", 1, False),
+CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qwen2.5-VL variant; the
+    # other families untied at TP 1
+    *[("qwen2_5_vl", tp, tied, "") for tied in (False, True) for tp in (1, 2)],
+    ("qwen2_vl", 1, False, ""),
+    ("qwen3_vl", 1, False, ""),
+    # LoRA, adapters on a frozen base. Merged sync (untied, with an adapter on the output head too, which
+    # the trainer's chunked log-softmax applies itself): base + scale * B A pushed as plain weights. Adapter
+    # sync (tied): vLLM's enable_lora gets the adapters alone, under a new LoRA id at every push.
+    ("qwen2_5_vl", 1, False, "merged"),
+    ("qwen2_5_vl", 1, True, "adapter"),
 ]
 VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1, False)}
 """Cases whose prompts include videos and image + video prompts (one per family, no extra vLLM start)."""
 
 
 @pytest.mark.parametrize(
-    "family, tp, tied", CASES, ids=[f"{f}-tp{tp}-{'tied' if t else 'untied'}" for f, tp, t in CASES]
+    "family, tp, tied, lora",
+    CASES,
+    ids=[f"{f}-tp{tp}-{'tied' if t else 'untied'}{f'-lora-{m}' if m else ''}" for f, tp, t, m in CASES],
 )
-def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
+def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
     model_dir = tiny_model(tie_word_embeddings=tied, family=family)
     trust = tp == 2 and tied
-    videos = (family, tp, tied) in VIDEO_CASES
+    videos = (family, tp, tied) in VIDEO_CASES and not lora
     job = ["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)]
     job += ["--videos"] if videos else []
+    if lora:
+        head = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
+        job += ["--lora-rank", "8", "--lora-targets", "all-linear" if tied else head, "--lora-sync", lora]
     torchrun([*job, *(["--trust-remote-code"] if trust else [])])
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
@@ -60,6 +71,11 @@ def test_parity_after_update_and_staleness(family, tp, tied, tmp_path):
         assert r["new_diff_max"] <= TOL, r
         # ...and the engine's logprobs did change (they no longer match the old weights).
         assert r["old_diff_max"] > 10 * TOL, r
+        if lora:  # the step after a sync that carried adapters: still exact (no stale weight or adapter id)
+            assert r["lora_second_diff_max"] <= TOL, r
+        if lora == "adapter":  # one live adapter, the newest id (pushes at versions 0, 1, 2)
+            assert r["lora_ids"] == [3], r["lora_ids"]
+            assert r["sync_bytes"] < 200_000, r["sync_bytes"]  # the fp32 adapters only, not the model
         # Without the push the check fails: the engine still samples from the old weights.
         assert r["nosync_new_diff_max"] > 10 * TOL, r
         assert r["nosync_old_diff_max"] <= TOL, r

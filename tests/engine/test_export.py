@@ -138,3 +138,88 @@ def test_export_loads_in_transformers_and_vllm(family, tied, saved_checkpoints, 
     assert len(got["token_ids"]) == 4
     first = {int(t): lp for t, lp in got["first_logprobs"].items()}
     assert max(abs(lp - hf_first[t].item()) for t, lp in first.items()) < 1e-3, (first, hf_first.topk(5))
+
+
+VLLM_LORA_SCRIPT = r"""
+import json, sys
+from PIL import Image
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+
+base_dir, adapter_dir, prompt, result = sys.argv[1:5]
+llm = LLM(model=base_dir, enforce_eager=True, dtype="float32", max_model_len=512, limit_mm_per_prompt={"image": 1},
+          enable_lora=True, max_lora_rank=8, max_loras=1)
+image = Image.new("RGB", (56, 56), (200, 40, 40))
+params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
+out = {}
+for key, lora in (("base", None), ("lora", LoRARequest("trained", 1, adapter_dir))):
+    o = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, lora_request=lora)[0]
+    out[key] = {int(t): float(lp.logprob) for t, lp in o.outputs[0].logprobs[0].items()}
+json.dump(out, open(result, "w"))
+"""
+
+
+def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(saved_checkpoints, tmp_path):
+    """A LoRA checkpoint (adapters only, trained 2 steps at world 2) exports as a PEFT adapter directory:
+    `PeftModel.from_pretrained` finds every trained adapter tensor, vLLM (`enable_lora`, `LoRARequest`)
+    serves it with the PEFT model's first-token logprobs, and `--merged` writes a plain HF model equal to
+    base + adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model_dir = tiny_model()
+    work = saved_checkpoints(model_dir, lora_rank=4)
+    trained = torch.load(work / "save.pt", weights_only=False)["at_save"]["params"]
+    adapters = {n: t for n, t in trained.items() if ".lora_" in n}
+    ckpt = work / "run" / "checkpoints" / "global_step_2"
+    out = export_hf(ckpt, tmp_path / "adapter", "float32", merged=tmp_path / "merged")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    content = [{"type": "image"}, {"type": "text", "text": "Which color?"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    inputs = processor(text=[prompt], images=[Image.new("RGB", (56, 56), (200, 40, 40))], return_tensors="pt")
+
+    def first_logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(**inputs).logits[0, -1].float(), dim=-1)
+
+    base_lp = first_logprobs(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32))
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), out
+    )
+    loaded = {
+        n.removeprefix("base_model.model."): p for n, p in peft_model.named_parameters() if ".lora_" in n
+    }
+    assert loaded.keys() == adapters.keys()
+    for name, t in adapters.items():
+        assert torch.equal(loaded[name].detach(), t), name
+    peft_lp = first_logprobs(peft_model)
+    assert (peft_lp - base_lp).abs().max() > 1e-2  # the adapters matter (negative control)
+    merged_lp = first_logprobs(
+        AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    )
+    assert (merged_lp - peft_lp).abs().max() < 1e-4
+
+    result = tmp_path / "vllm.json"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_LORA_SCRIPT, str(model_dir), str(out), prompt, str(result)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    got = json.loads(result.read_text())
+    for key, want in (("base", base_lp), ("lora", peft_lp)):
+        assert max(abs(lp - want[int(t)].item()) for t, lp in got[key].items()) < 1e-3, (key, got[key])

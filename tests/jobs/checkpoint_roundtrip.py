@@ -8,12 +8,15 @@ log-likelihood loss, saving after each (save_limit=1, so step 1 is pruned); then
 continues with step 3. `resume`: a fresh policy/optimizer loads the newest checkpoint (`find_checkpoint(auto)`)
 and takes the same step 3. Rank 0 writes OUT.pt with, at the checkpoint (`at_save`) and after step 3
 (`params_after`): full parameters and Adam moments keyed by HF name, lr, scheduler step, the next global prompt
-batch of the restored sampler and an RNG probe drawn right after the save / load.
+batch of the restored sampler and an RNG probe drawn right after the save / load. With `--lora-rank R` the
+policy trains LoRA adapters of rank R (the checkpoint then holds adapters only, and the config section that
+export reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import torch
 from PIL import Image
 
 from spmd_grpo.actor.optimizer import build_optimizer
-from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, ModelConfig, OptimConfig
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.models.inputs import collate
@@ -98,6 +101,7 @@ def main() -> None:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("out")
     ap.add_argument("--phase", choices=["save", "resume"], required=True)
+    ap.add_argument("--lora-rank", type=int, default=0)
     args = ap.parse_args()
     from transformers import AutoProcessor
 
@@ -105,8 +109,10 @@ def main() -> None:
     seed_everything(7 + world.rank)
     processor = AutoProcessor.from_pretrained(args.model_dir)
     actor = ActorConfig(
-        model=ModelConfig(model_path=args.model_dir),
-        optim=OptimConfig(lr=1e-3, lr_warmup_steps=4, lr_scheduler="cosine", min_lr_ratio=0.1),
+        model=ModelConfig(model_path=args.model_dir, lora=LoRAConfig(rank=args.lora_rank, alpha=8.0)),
+        optim=OptimConfig(
+            lr=5e-2 if args.lora_rank else 1e-3, lr_warmup_steps=4, lr_scheduler="cosine", min_lr_ratio=0.1
+        ),
         fsdp=FSDPConfig(param_dtype="float32"),
     )
     policy = build_policy(actor, world)
@@ -130,6 +136,7 @@ def main() -> None:
                     world=world,
                     save_limit=1,
                     model_path=args.model_dir,
+                    config={"worker": {"actor": {"model": {"lora": dataclasses.asdict(actor.model.lora)}}}},
                 )
         out["rng_probe"] = rng_probe()
     else:

@@ -11,7 +11,9 @@ suffix) holding:
   pre_diff_max       max |vLLM - trainer| per response token before any update (both at the initial weights)
   new_diff_max       after an optimizer step + weight push: max |vLLM - trainer(new weights)|
   old_diff_max       on the same samples: max |vLLM - trainer(old weights)| (shows the engine's logprobs moved)
-  nosync_new_diff_max  after a second optimizer step WITHOUT a push: max |vLLM - trainer(new weights)|
+  lora_second_diff_max (--lora-rank only) a second optimizer step + push: the step after a sync that already
+                       carried adapters (merged base + B A weights must be pushed again, not skipped as frozen)
+  nosync_new_diff_max  after a further optimizer step WITHOUT a push: max |vLLM - trainer(new weights)|
                        (large: proves the parity check can fail)
   nosync_old_diff_max  ... and against the weights the engine still holds (small)
   group_outputs      token ids of every sample the TP group generated (identical within a group)
@@ -107,6 +109,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="trainer compute and rollout dtype")
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--videos", action="store_true", help="video and image+video prompts too")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full)")
+    ap.add_argument("--lora-targets", default="all-linear", help="worker.actor.model.lora.target_modules")
+    ap.add_argument("--lora-sync", default="merged", help="worker.rollout.lora_sync")
     args = ap.parse_args()
 
     from transformers import AutoProcessor
@@ -130,6 +135,9 @@ def main() -> None:
             "trainer.seed=0",
             *([f"worker.rollout.limit_videos={int(args.videos)}"] if args.videos else []),
             *([f"data.{k}={v}" for k, v in VIDEO_DATA.items()] if args.videos else []),
+            f"worker.actor.model.lora.rank={args.lora_rank}",
+            f"worker.actor.model.lora.target_modules={args.lora_targets}",
+            f"worker.rollout.lora_sync={args.lora_sync}",
         ],
     )
     VIDEOS["video_in_forward"] = args.videos
@@ -190,9 +198,12 @@ def main() -> None:
     new_diff, old_diff, s2 = update_and_compare(s1, step=1, push=True)
     new_mean, old_mean = means["new"], means["old"]
     sync_seconds = engine.stats.last_sync_s
-    nosync_new, nosync_old, _ = update_and_compare(s2, step=2, push=False)
+    lora_second = None
+    if args.lora_rank:
+        lora_second, _, s2 = update_and_compare(s2, step=2, push=True)
+    nosync_new, nosync_old, _ = update_and_compare(s2, step=3, push=False)
 
-    group = [s for _, s in generate_for_group(engine, prompts, sampling, step=3, tp_group=tp_group)]
+    group = [s for _, s in generate_for_group(engine, prompts, sampling, step=4, tp_group=tp_group)]
     result = {
         "rank": world.rank,
         "tp": args.tp,
@@ -201,6 +212,7 @@ def main() -> None:
         "pre_diff_max": pre_diff,
         "new_diff_max": new_diff,
         "old_diff_max": old_diff,
+        "lora_second_diff_max": lora_second,
         "nosync_new_diff_max": nosync_new,
         "nosync_old_diff_max": nosync_old,
         "new_diff_mean": new_mean,
@@ -212,6 +224,7 @@ def main() -> None:
         "group_outputs": [[s.prompt.uid, s.sample_index, s.response_ids] for s in group],
         "media": [[len(p.images), len(p.videos)] for p in prompts],
         "sync_bytes": engine.stats.last_sync_bytes,
+        "lora_ids": sorted(engine.llm.llm_engine.list_loras()) if engine.adapters else [],
         "engine": engine.settings(),
     }
     out = Path(args.out_json)

@@ -13,7 +13,12 @@ For every model directory (the tests pass the tied and the untied tiny model), e
   * the reference with `worker.ref.offload_params` (fp32 here, CPU: unpinned host shards): the same
     logprobs as without offload;
   * the policy with `worker.actor.fsdp.offload_params`: one forward/backward/AdamW step, after which its
-    parameters equal those of the policy without offload after the same step.
+    parameters equal those of the policy without offload after the same step;
+  * the policy with LoRA (`worker.actor.model.lora`): its base equals `from_pretrained`, its adapter
+    gradients and their norm equal those of a single-process PEFT model (`peft.get_peft_model`, the same
+    adapter values, B made non-zero so A gets a gradient too), only adapters reach the optimizer, with
+    adapters disabled it gives the base model's logprobs exactly (the KL reference), and with
+    `fsdp.param_dtype=bfloat16` the base is held in bf16 and the adapters in fp32.
 Rank 0 saves {model name: {check: result}}; the checks that need every rank's view (buffers, logits) are
 combined over ranks first.
 """
@@ -29,10 +34,11 @@ from torch.distributed.tensor import DTensor
 
 from spmd_grpo.actor.logprob_pass import compute_logprobs
 from spmd_grpo.actor.micro_batches import collate_samples
-from spmd_grpo.actor.optimizer import build_optimizer
+from spmd_grpo.actor.optimizer import build_optimizer, clip_grad_norm
 from spmd_grpo.actor.spec import UpdateSpec
-from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig, RefConfig
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, ModelConfig, RefConfig
 from spmd_grpo.models.build import attention_setup, build_policy, build_reference
+from spmd_grpo.models.lora import adapters_disabled, is_adapter_name, set_full_tensor
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from tests.jobs.common import encode, run_job
@@ -167,6 +173,66 @@ def check_offload(actor: ActorConfig, world, inputs) -> dict:
     }
 
 
+def check_lora(model_dir: str, actor: ActorConfig, world, inputs) -> dict:
+    """LoRA policy against a single-process PEFT model of the same adapters (see the module docstring)."""
+    from dataclasses import replace
+
+    from peft import LoraConfig, get_peft_model
+
+    _, samples, spec = inputs
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    policy = build_policy(replace(actor, model=replace(actor.model, lora=lora)), world)
+    ours = {clean(n).removeprefix("hf."): p for n, p in policy.named_parameters() if is_adapter_name(n)}
+    gen = torch.Generator().manual_seed(1)
+    for p in ours.values():  # B non-zero (0 at init): A's gradient would vanish and prove nothing
+        set_full_tensor(p, p.full_tensor() + 0.05 * torch.randn(p.shape, generator=gen))
+    plain_model = plain(model_dir, torch.float32)
+    base_lp = logprobs(plain_model, samples, spec)
+    targets = sorted({n.split(".lora_")[0] for n in ours})
+    peft_cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets)
+    peft_model = get_peft_model(plain_model.hf, peft_cfg)  # wraps plain_model.hf's layers in place
+    theirs = {
+        n.removeprefix("base_model.model."): p for n, p in peft_model.named_parameters() if p.requires_grad
+    }
+    with torch.no_grad():
+        for n, p in theirs.items():
+            p.copy_(ours[n].full_tensor())
+    batch = collate_samples(samples[:4], spec.pad_token_id, world.device)
+    for model in (policy, plain_model):
+        lp, _ = model(batch)
+        lp.sum().backward()
+    grad_diff = max((ours[n].grad.full_tensor() - p.grad).abs().max().item() for n, p in theirs.items())
+    their_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in theirs.values()])).item()
+    with adapters_disabled(policy):
+        disabled_lp = logprobs(policy, samples, spec)
+    bf16 = build_policy(
+        replace(actor, model=replace(actor.model, lora=lora), fsdp=FSDPConfig(param_dtype="bfloat16")), world
+    )
+    return {
+        "lora_names_match": sorted(ours) == sorted(theirs) and len(theirs) > 0,
+        "lora_grad_max_diff": grad_diff,
+        "lora_grad_max": max(p.grad.abs().max().item() for p in theirs.values()),
+        "lora_grad_norm": (clip_grad_norm(policy, 1e9), their_norm),
+        "lora_optimizer_tensors": (
+            sum(len(g["params"]) for g in build_optimizer(policy, actor.optim, 1).optimizer.param_groups),
+            len(ours),
+        ),
+        "lora_base_mismatches": mismatches(
+            {base_name_of(n): t for n, t in full_state(policy).items() if not is_adapter_name(n)},
+            full_state(plain(model_dir, torch.float32)),
+        ),
+        "lora_disabled_equals_base": every_rank(equal_lists(disabled_lp, base_lp)),
+        "lora_enabled_differs": not equal_lists(logprobs(policy, samples, spec), base_lp),
+        "lora_bf16_dtypes": sorted(
+            {(str(p.dtype), is_adapter_name(n), p.requires_grad) for n, p in bf16.named_parameters()}
+        ),
+    }
+
+
+def base_name_of(name: str) -> str:
+    return name.replace(".base_layer.", ".")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -190,6 +256,7 @@ def main() -> None:
         out.update(check_policy(model_dir, actor, world, inputs))
         out.update(check_reference(model_dir, actor, world, inputs))
         out.update(check_offload(actor, world, inputs))
+        out.update(check_lora(model_dir, actor, world, inputs))
         results[Path(model_dir).name] = out
     if world.rank == 0:
         torch.save(results, args.out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -164,7 +165,7 @@ def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
 
     calls = []
 
-    def fake_build(cfg, dtype, world, *, training):
+    def fake_build(cfg, dtype, world, *, training, seed=0):
         calls.append((training, dtype, cfg.fsdp.param_dtype, cfg.fsdp.offload_params))
 
     monkeypatch.setattr(M, "build_sharded", fake_build)
@@ -175,6 +176,12 @@ def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
     M.build_reference(cfg, RefConfig(dtype=ref_dtype, offload_params=True), world)
 
     assert calls == [(True, torch.float32, param_dtype, False), (False, built, gathered, True)]
+    # LoRA: the frozen base is held in the compute dtype (the adapters are made fp32 inside build_sharded)
+    from spmd_grpo.config.workers import LoRAConfig, ModelConfig
+    from spmd_grpo.models.build import resolve_dtype
+
+    M.build_policy(replace(cfg, model=ModelConfig(lora=LoRAConfig(rank=8))), world)
+    assert calls[-1] == (True, resolve_dtype(param_dtype, device_type), param_dtype, False)
 
 
 # ---------------------------------------------------------------------- weight push fallback (rollout/engine.py)

@@ -93,3 +93,32 @@ def test_other_family_configs_fit_80gb_on_8_nodes_x_8(config, params):
     assert "world 64" in plan and params in plan, plan
     phases = [line for line in plan.splitlines() if line.startswith(("  load", "  peak while", "  rollout:"))]
     assert len(phases) == 3 and all(line.endswith("fits") or "-> fits;" in line for line in phases), phases
+
+
+def _phases(plan: str) -> list[str]:
+    return [line for line in plan.splitlines() if line.startswith(("  load", "  peak while", "  rollout:"))]
+
+
+@pytest.mark.parametrize(
+    "config, nproc, memory_gb",
+    [("qwen2_5_vl_72b_geo3k_grpo_lora.yaml", 8, 80), ("qwen2_5_vl_7b_geo3k_grpo_lora.yaml", 1, 24)],
+)
+def test_lora_configs_fit_72b_on_one_node_and_7b_on_one_24gb_device(config, nproc, memory_gb):
+    """LoRA: the frozen base in bf16, fp32 adapters with adapter-only gradients and Adam state, no reference
+    model; 72B fits 1 x 8 x 80 GB and 7B 1 x 1 x 24 GB. The same configs without LoRA do not."""
+    cfg = load_config(REPO / "configs" / config)
+    plan = dry_run(cfg, nnodes=1, nproc_per_node=nproc, device_memory_gb=memory_gb)
+    phases = _phases(plan)
+    assert len(phases) == 3 and all(line.endswith("fits") or "-> fits;" in line for line in phases), plan
+    for item in (
+        "policy: frozen base bfloat16 shard",
+        "policy: LoRA adapters fp32 shard",
+        "gradients fp32 shard (adapters only)",
+        "AdamW states fp32 shard (adapters only)",
+        "reference: none (the policy with its adapters disabled)",
+    ):
+        assert item in plan, item
+    assert "LoRA: rank 16" in plan
+    full = load_config(REPO / "configs" / config, ["worker.actor.model.lora.rank=0"])
+    full_phases = _phases(dry_run(full, nnodes=1, nproc_per_node=nproc, device_memory_gb=memory_gb))
+    assert not all(line.endswith("fits") or "-> fits;" in line for line in full_phases), full_phases
