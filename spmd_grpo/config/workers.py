@@ -181,6 +181,10 @@ class RolloutConfig:
     kv_cache_memory_gb: float = 1.0
     """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     weight_sync_bucket_mb: int = 512
+    ignore_eos: bool = False
+    """Training rollouts generate exactly `data.max_response_length` tokens, past the end-of-sequence and stop
+    tokens (vLLM's `ignore_eos`, as verl's `rollout.ignore_eos`): a fixed workload for benchmarks and load
+    tests, not for training. Validation keeps its stop tokens."""
     val_override: ValOverrideConfig = field(default_factory=ValOverrideConfig)
 
     def check(self, prefix: str) -> None:
