@@ -71,6 +71,10 @@ class FSDPConfig:
     offload_params: bool = False
     """Keep the policy's shards (and gradients, optimizer step) in host memory (FSDP2 CPUOffloadPolicy)."""
     offload_optimizer: bool = False
+    gather_once_per_pass: bool | Literal["auto"] = "auto"
+    """Keep the gathered parameters through all micro-batches of a pass and reduce the gradient once per
+    mini-batch instead of once per micro-batch (+ a gathered model and an unsharded gradient per rank at the
+    peak). auto: on the CPU only, where memory is plentiful and every gloo gather and cast costs compute."""
 
 
 @dataclass(frozen=True)
