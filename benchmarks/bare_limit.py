@@ -12,10 +12,10 @@ mini-batch per step (so no separate old-logprob pass: the update's own forward g
 update micro-batch, the vision tower frozen.
 
 For each dtype (the policy's compute dtype and vLLM's):
-- bare, in one process with `--threads` threads and no torch.distributed:
+- bare, each phase in a process of its own with `--threads` threads and no torch.distributed:
   (a) gen: `vllm.LLM` built with the engine settings our config gives (`rollout.engine.llm_kwargs`, the one
-      place our engine's arguments come from; real weights from disk, the default executor instead of
-      `external_launcher`), generating the same requests (same prompts and image, 8 seeded requests per
+      place our engine's arguments come from; real weights from disk, the uniproc executor with the engine
+      core in this process instead of `external_launcher`), generating the same requests (same prompts and image, 8 seeded requests per
       prompt, `logprobs=0`, `ignore_eos`).
   (b) update: the HF model in that dtype, no FSDP, no code of ours: per micro-batch of 4 sequences one
       forward (pixels in), log-softmax of the response tokens, loss -(A * logp).sum() / tokens, backward;
@@ -202,8 +202,9 @@ def bare_update(
     return seconds
 
 
-def bare_worker(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict:
-    """Both bare phases in this process (run as a subprocess per dtype: vLLM sets process-wide state)."""
+def bare_worker(args: argparse.Namespace, model_dir: Path, phase: str, dtype: str) -> float:
+    """One bare phase in this process: a process of its own for each, since vLLM changes process-wide
+    settings (after an in-process uniproc vLLM engine, a bf16 update here ran about 10x slower)."""
     import torch
     from transformers import AutoProcessor
 
@@ -212,26 +213,28 @@ def bare_worker(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict:
     torch.set_num_threads(args.threads)
     cfg = load_config(REPO / "configs" / "smoke.yaml", workload(args, model_dir, dtype))
     text, images = _prompts(AutoProcessor.from_pretrained(model_dir), args.prompts)
-    rounds = args.steps
-    return {
-        "gen": later_median(bare_gen(cfg, dtype, text, images, rounds)),
-        "update_actor": later_median(
-            bare_update(model_dir, dtype, text, images, args.response_length, rounds)
-        ),
-    }
+    if phase == "gen":
+        return later_median(bare_gen(cfg, dtype, text, images, args.steps))
+    return later_median(bare_update(model_dir, dtype, text, images, args.response_length, args.steps))
 
 
 def run_bare(args: argparse.Namespace, model_dir: Path, dtype: str, work: Path) -> dict:
-    out = work / f"bare_{dtype}.json"
-    cmd = [sys.executable, __file__, "--bare-worker", dtype, "--model-dir", str(model_dir), "--out", str(out)]
-    cmd += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
-    cmd += ["--response-length", str(args.response_length), "--threads", str(args.threads)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    print(f"[bare-limit] bare: {dtype}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"bare {dtype} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(out.read_text())
+    out = {}
+    for phase in ("gen", "update_actor"):
+        result = work / f"bare_{phase}_{dtype}.json"
+        cmd = [sys.executable, __file__, "--bare-worker", f"{phase}:{dtype}", "--model-dir", str(model_dir)]
+        cmd += ["--out", str(result), "--steps", str(args.steps), "--prompts", str(args.prompts)]
+        cmd += ["--response-length", str(args.response_length), "--threads", str(args.threads)]
+        # In-process engine core, as ours (vLLM turns its engine-core process off under external_launcher).
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        print(f"[bare-limit] bare {phase}: {dtype}", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(
+                f"bare {phase} {dtype} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+            )
+        out[phase] = json.loads(result.read_text())
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -292,7 +295,8 @@ def main() -> None:
         REPO / ".cache" / "bench_tput_model", TinyModelSpec(**MODEL_SPEC)
     )
     if args.bare_worker:
-        args.out.write_text(json.dumps(bare_worker(args, model_dir, args.bare_worker)))
+        phase, dtype = args.bare_worker.split(":")
+        args.out.write_text(json.dumps(bare_worker(args, model_dir, phase, dtype)))
         return
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
