@@ -340,7 +340,7 @@ def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     from spmd_grpo.models.build import build_policy
     from spmd_grpo.parallel.collectives import init_distributed
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     overrides = [f"worker.actor.model.model_path={model_dir}", *BASE, *dtype_overrides(args.dtype)]
     overrides += [*RATIO_WORKLOAD, f"worker.actor.global_batch_size={8 * args.ratio_prompts}", *args.set]
     cfg = load_config(REPO / "configs" / "smoke.yaml", last_wins(overrides))
@@ -409,6 +409,7 @@ def main() -> None:
     )
     ap.add_argument("--ratio-prompts", type=int, default=16, help="--update-ratio: prompts (8 samples each)")
     ap.add_argument("--rounds", type=int, default=3, help="--update-ratio: rounds (the first is a warm-up)")
+    ap.add_argument("--threads", type=int, default=2, help="--update-ratio: torch threads")
     ap.add_argument("--profile", type=int, default=0, help="--update-ratio: print the top N ops by self CPU")
     args = ap.parse_args()
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model

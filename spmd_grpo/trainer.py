@@ -146,7 +146,7 @@ class Trainer:
         stop = tuple(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
         v = r.val_override
         return (
-            SamplingConfig(r.n, r.temperature, r.top_p, r.top_k, max_tokens, seed, stop),
+            SamplingConfig(r.n, r.temperature, r.top_p, r.top_k, max_tokens, seed, stop, r.ignore_eos),
             SamplingConfig(v.n, v.temperature, v.top_p, v.top_k, max_tokens, seed + VAL_SEED_OFFSET, stop),
         )
 

@@ -2,6 +2,7 @@
 
     spec.py            `UpdateSpec`: everything the update needs, derived once from the config
     micro_batches.py   micro-batches by count or token budget, padded or packed; the same count on every rank
+    gathering.py       when FSDP gathers parameters in a pass: per micro-batch, or once per pass on the CPU
     image_features.py  encode each prompt's images once and reuse the features for all its samples
     logprob_pass.py    forward-only logprobs (old policy, reference)
     update.py          PPO mini-batch steps: loss per micro-batch on global counts, clipping, optimizer step
@@ -15,6 +16,12 @@ from spmd_grpo import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
+        "gathering": (
+            "gathers_once_per_pass",
+            "gathered_for_pass",
+            "accumulate_unsharded",
+            "end_accumulation",
+        ),
         "image_features": (
             "encode_images",
             "attach_image_features",

@@ -1,6 +1,7 @@
 """The forward-only logprob pass: old-policy and reference logprobs of the response tokens, micro-batched the
 same way as the update (the same count on every rank), with no autograd graph. The pass runs the model in
-eval mode (LoRA dropout off: the logprobs vLLM sampled from and the reference have no dropout either).
+eval mode (LoRA dropout off: the logprobs vLLM sampled from and the reference have no dropout either). On
+the CPU the parameters are gathered once for the whole pass (actor/gathering.py).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spmd_grpo.actor.gathering import gathered_for_pass
 from spmd_grpo.actor.image_features import attach_image_features
 from spmd_grpo.actor.micro_batches import collate_for, micro_batches, uses_packing
 from spmd_grpo.actor.spec import UpdateSpec
@@ -48,11 +50,12 @@ def _logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> list
     if per_pass:
         attach_image_features(model, samples, spec)
     out: list[torch.Tensor | None] = [None] * len(samples)
-    for rows in micro_batches(samples, spec, for_update=False, padded=not uses_packing(model)):
-        chunk = [samples[i] for i in rows] or samples[:1]
-        lp, _ = model(collate_for(model, chunk, spec, for_update=False), temperature=spec.temperature)
-        for j, i in enumerate(rows):
-            out[i] = lp[j, : len(samples[i].response_ids)].float().cpu()
+    with gathered_for_pass(model):
+        for rows in micro_batches(samples, spec, for_update=False, padded=not uses_packing(model)):
+            chunk = [samples[i] for i in rows] or samples[:1]
+            lp, _ = model(collate_for(model, chunk, spec, for_update=False), temperature=spec.temperature)
+            for j, i in enumerate(rows):
+                out[i] = lp[j, : len(samples[i].response_ids)].float().cpu()
     if per_pass:  # this model's features: not the next pass's, and the update must re-encode with grad
         for s in samples:
             s.image_features = None

@@ -31,9 +31,10 @@ packing the k parts are runs of the length-sorted samples instead (`length_sorte
 the largest padded part; a deviation from verl, which always packs). The losses keep their global
 normalisation, so the gradient does not depend on the partition.
 
-One rank on the CPU (`_accumulate_unsharded`): the parameters are gathered once per mini-batch and the gradient
-reduced once, after its last micro-batch, instead of FSDP's re-gather in every micro-batch's forward and
-backward and a reduction per micro-batch (the same sum of the same micro-batch gradients).
+On the CPU (`gathering.accumulate_unsharded`, any world size): the parameters are gathered once per
+mini-batch and the gradient reduced once, after its last micro-batch, instead of FSDP's re-gather in every
+micro-batch's forward and backward and a reduction per micro-batch (the same sum of the same micro-batch
+gradients).
 
 Old logprobs from the update's forward (`worker.actor.old_logprobs_from_update`, as TRL does): when the step
 is exactly on-policy (one mini-batch per step, one epoch, no rejection sampling, which needs the old
@@ -55,6 +56,7 @@ import math
 import torch
 from torch import nn
 
+from spmd_grpo.actor.gathering import accumulate_unsharded, end_accumulation, gathers_once_per_pass
 from spmd_grpo.actor.micro_batches import collate_for, micro_batches, pad_rows, uses_packing
 from spmd_grpo.actor.optimizer import clip_grad_norm
 from spmd_grpo.actor.spec import UpdateSpec
@@ -208,12 +210,10 @@ def mini_batch_backward(
     agg = _global_counts(samples, correction, spec)
     sums: MetricSums = {}
     plan = micro_batches(samples, spec, for_update=True, padded=not uses_packing(policy))
-    local = (
-        world.world_size == 1 and world.device_type == "cpu" and hasattr(policy, "set_requires_gradient_sync")
-    )
+    once = gathers_once_per_pass(policy)
     for k, rows in enumerate(plan):
-        if local:
-            _accumulate_unsharded(policy, first=k == 0, last=k == len(plan) - 1)
+        if once:
+            accumulate_unsharded(policy, first=k == 0, last=k == len(plan) - 1)
         loss = _micro_batch_loss(
             policy,
             [samples[i] for i in rows] or samples[:1],
@@ -225,32 +225,10 @@ def mini_batch_backward(
             padding=not rows,
         )
         (loss * world.world_size).backward()
-    if local:
-        policy.set_reshard_after_forward(True)
+    if once:
+        end_accumulation(policy)
     sums["train/num_micro_batches"] = (float(len(plan)), 0.0)
     return sums
-
-
-def _accumulate_unsharded(policy: nn.Module, *, first: bool, last: bool) -> None:
-    """World of one (the shard is the whole model): gather the parameters once per mini-batch and reduce
-    the gradient once, after its last micro-batch, instead of per micro-batch.
-
-    With FSDP's defaults every micro-batch re-gathers (copies, and casts to param_dtype) the whole model in
-    its forward and again in its backward, and copies its gradient out (cast to reduce_dtype) to add it
-    to the sharded one: pure overhead on one rank. Here the gathered copy stays between micro-batches and
-    FSDP accumulates the unsharded gradient in reduce_dtype (fp32), which it reduces once: the same sum of
-    the same micro-batch gradients. Several ranks keep the per-micro-batch reduction (the unsharded
-    gradient of the whole model would not fit next to the shards on large models).
-
-    CPU only: it holds the whole model gathered through the mini-batch's backward and an unsharded fp32
-    gradient beside the sharded one, +2 + 4 bytes per parameter at the peak (Qwen2.5-VL-3B: +22 GB). On one
-    accelerator memory is what limits, and the per-micro-batch gather it saves is a copy at device memory
-    bandwidth (a few ms per micro-batch for 3B); on the CPU, where the smoke test and the benchmarks run, the
-    copies and concatenations it removes were about a tenth of the update's profiled op time."""
-    if first:
-        policy.set_reshard_after_forward(False)
-    policy.set_requires_gradient_sync(last)
-    policy.set_reshard_after_backward(last)
 
 
 def _optimizer_step(policy: nn.Module, optim, spec: UpdateSpec) -> tuple[float, float]:

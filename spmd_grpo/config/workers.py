@@ -118,6 +118,10 @@ class FSDPConfig:
     offload_params: bool = False
     """Keep the policy's shards (and gradients, optimizer step) in host memory (FSDP2 CPUOffloadPolicy)."""
     offload_optimizer: bool = False
+    gather_once_per_pass: bool | Literal["auto"] = "auto"
+    """Keep the gathered parameters through all micro-batches of a pass and reduce the gradient once per
+    mini-batch instead of once per micro-batch (+ a gathered model and an unsharded gradient per rank at the
+    peak). auto: on the CPU only, where memory is plentiful and every gloo gather and cast costs compute."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,10 @@ class RolloutConfig:
     lora_sync: Literal["merged", "adapter"] = "merged"
     """With worker.actor.model.lora: `merged` pushes base + alpha / r * B A per adapted weight (any vLLM model);
     `adapter` pushes the base once, then only the adapters into vLLM's LoRA support (enable_lora)."""
+    ignore_eos: bool = False
+    """Training rollouts generate exactly `data.max_response_length` tokens, past the end-of-sequence and stop
+    tokens (vLLM's `ignore_eos`, as verl's `rollout.ignore_eos`): a fixed workload for benchmarks and load
+    tests, not for training. Validation keeps its stop tokens."""
     val_override: ValOverrideConfig = field(default_factory=ValOverrideConfig)
 
     def check(self, prefix: str) -> None:

@@ -218,6 +218,8 @@ def build_sharded(
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)
+    once = cfg.fsdp.gather_once_per_pass
+    model.gather_once_per_pass = world.device_type == "cpu" if once == "auto" else bool(once)
     fill_from_checkpoint(model, path, world, offload=cfg.fsdp.offload_params)
     if lora:
         init_adapters(model, seed)

@@ -123,6 +123,9 @@ class PolicyModule(nn.Module):
         self.hf = hf_model
         self.padding_free = padding_free
         """Whether callers should hand it packed batches (its attention implementation has a varlen path)."""
+        self.gather_once_per_pass = False
+        """Whether a pass keeps the sharded parameters gathered across its micro-batches (set with the
+        sharding, `worker.actor.fsdp.gather_once_per_pass`; actor/gathering.py)."""
         self.register_buffer(
             "suppress_ids", torch.tensor(suppress_token_ids, dtype=torch.long), persistent=False
         )

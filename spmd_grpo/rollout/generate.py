@@ -44,6 +44,8 @@ class SamplingConfig:
     max_tokens: int
     seed: int
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    """Generate `max_tokens` tokens whatever is sampled (no stop token applies)."""
 
 
 def request_seed(seed: int, step: int, uid: int, sample_index: int, gen_batch: int = 0) -> int:
@@ -63,7 +65,8 @@ def _sampling_params(sampling: SamplingConfig, seed: int):
         max_tokens=sampling.max_tokens,
         seed=seed,
         logprobs=0,
-        stop_token_ids=list(sampling.stop_token_ids),
+        stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
         skip_special_tokens=True,
         detokenize=True,
     )

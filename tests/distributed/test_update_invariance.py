@@ -67,6 +67,13 @@ def test_modes_give_different_gradients(grads):
 
 
 @pytest.mark.parametrize("world", [1, 2])
+def test_gathering_once_per_pass_or_per_micro_batch_gives_the_same_gradient(grads, world):
+    """FSDP's per-micro-batch gather and reduction (accelerators) and the CPU's gather once per pass with one
+    reduction of the accumulated gradient: the same sum of the same micro-batch gradients."""
+    assert _max_rel(grads[world, "token-mean", 1], grads[world, "other_gathering"]) <= 1e-5
+
+
+@pytest.mark.parametrize("world", [1, 2])
 def test_packed_forward_and_reused_image_features_keep_the_gradient_under_fsdp(grads, world):
     """Packed micro-batches give the padded gradient; with a frozen vision tower, image features encoded
     once per step give the gradient of encoding in every forward, also when the ranks have different

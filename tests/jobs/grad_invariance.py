@@ -172,11 +172,18 @@ def main() -> None:
 
 
 def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> dict:
-    """("packed",): the padding-free forward; ("frozen",) / ("reuse",): a policy with a frozen vision tower
+    """("other_gathering",): micro-batches of one with the other `gather_once_per_pass`; ("packed",): the
+    padding-free forward; ("frozen",) / ("reuse",): a policy with a frozen vision tower
     without / with image features encoded once (`encode_images`). Rank 1's samples 4.. share one image, so
     the ranks have different numbers of images to encode (8 against 5 calls of one prompt: rank 1 runs
     3 dummy images to keep FSDP's collectives aligned)."""
     out = {}
+    # The other FSDP gathering (the CPU default keeps parameters gathered through a pass; accelerators
+    # gather per micro-batch and reduce every micro-batch's gradient): the same gradient.
+    policy.gather_once_per_pass = not policy.gather_once_per_pass
+    one_each = dataclasses.replace(spec, micro_batch_size=1, experience_micro_batch_size=1)
+    out[("other_gathering",)] = gradient(policy, make_samples(processor, 256), one_each, world)
+    policy.gather_once_per_pass = not policy.gather_once_per_pass
     policy.padding_free = True
     out[("packed",)] = gradient(policy, make_samples(processor, 256), spec, world)
     policy.padding_free = False

@@ -157,6 +157,9 @@ def main() -> None:
                 fsdp=FSDPConfig(param_dtype="float32"),
             )
             policy = build_policy(actor, world)
+            # Accelerators' layout, one gather per forward: where a rank that skips the tower mismatches
+            # the others' collectives (on the CPU the default gathers once per pass).
+            policy.gather_once_per_pass = False
             for packed in (False, True):
                 policy.padding_free = packed
                 case = f"{scenario}-{'frozen' if frozen else 'trained'}-{'packed' if packed else 'padded'}"
