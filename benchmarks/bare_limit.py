@@ -13,7 +13,7 @@ update micro-batch, the vision tower frozen.
 
 For each dtype (the policy's compute dtype and vLLM's):
 - bare, each phase in a process of its own with `--threads` threads and no torch.distributed:
-  (a) gen: `vllm.LLM` built with the engine settings our config gives (`rollout.engine.llm_kwargs`, the one
+  (a) gen: `vllm.LLM` built with the engine settings our config gives (`rollout.vllm_args.llm_kwargs`, the one
       place our engine's arguments come from; real weights from disk, the uniproc executor with the engine
       core in this process instead of `external_launcher`), generating the same requests (same prompts and image, 8 seeded requests per
       prompt, `logprobs=0`, `ignore_eos`).
@@ -121,7 +121,7 @@ def bare_gen(cfg, dtype: str, text: str, images: list, rounds: int) -> list[floa
     """(a): plain vLLM, the same engine settings and requests; seconds per round."""
     from vllm import LLM, SamplingParams
 
-    from spmd_grpo.rollout.engine import llm_kwargs
+    from spmd_grpo.rollout.vllm_args import engine_processor_kwargs, llm_kwargs
 
     rollout = cfg.worker.rollout
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(rollout.kv_cache_memory_gb))))
@@ -132,6 +132,7 @@ def bare_gen(cfg, dtype: str, text: str, images: list, rounds: int) -> list[floa
         max_model_len=cfg.max_model_len,
         min_pixels=cfg.data.min_pixels,
         max_pixels=cfg.data.max_pixels,
+        mm_processor_kwargs=engine_processor_kwargs(cfg),
     )
     for key in ("distributed_executor_backend", "load_format"):
         kwargs.pop(key)

@@ -407,13 +407,8 @@ def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
     if world.is_main:
         from spmd_grpo.config.versions import check_versions, version_line
 
-        log.info(
-            "%s; device %s, backend %s, world %d",
-            version_line(),
-            world.device_type,
-            world.backend,
-            world.world_size,
-        )
+        log.info("%s; device %s, backend %s, world %d", version_line(), world.device_type, world.backend,
+                 world.world_size)  # fmt: skip
         for problem in check_versions():  # only with SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1
             log.warning("untested: %s", problem)
         for line in plan.lines():

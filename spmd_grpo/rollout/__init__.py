@@ -1,6 +1,7 @@
 """The rollout half of the hybrid engine: vLLM in-process, weight sync, generation, DAPO sampling, validation.
 
     engine.py            `RolloutEngine`: one in-process vLLM per rank, sleep/wake, weights version, optimizer offload
+    vllm_args.py         the vllm.LLM arguments from the config, the vision-token suppressor, vLLM log filters
     weight_sync.py       the sharded weight stream from the FSDP2 policy into vLLM, in buckets
     lora_sync.py         adapter-only weight sync: LoRA adapters into vLLM's enable_lora under a new id each push
     generate.py          this rank's prompts -> sampled responses (tensor-parallel groups submit identical requests)
@@ -31,9 +32,15 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "engine": (
             "NO_WEIGHTS",
             "EngineStats",
-            "llm_kwargs",
             "RolloutEngine",
             "move_optimizer_state",
+        ),
+        "vllm_args": (
+            "suppress_vision_tokens_processor",
+            "quiet_vllm",
+            "host_side_image_normalisation",
+            "llm_kwargs",
+            "engine_processor_kwargs",
         ),
         "generate": (
             "SamplingConfig",

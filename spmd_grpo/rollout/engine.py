@@ -51,7 +51,6 @@ import logging
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -63,87 +62,23 @@ from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import LoRAConfig, RolloutConfig
 from spmd_grpo.models.build import resolve_dtype
 from spmd_grpo.models.lora import merge_sources
-from spmd_grpo.models.policy import unsamplable_token_ids
 from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import World
 from spmd_grpo.parallel.devices import empty_cache, memory_line, set_expandable_segments
 from spmd_grpo.rollout.lora_sync import AdapterSync, vllm_lora_kwargs
+from spmd_grpo.rollout.vllm_args import (
+    engine_processor_kwargs,
+    host_side_image_normalisation,
+    llm_kwargs,
+    quiet_vllm,
+    suppress_vision_tokens_processor,
+)
 from spmd_grpo.rollout.weight_sync import CountingIterator, iter_sharded_weights
 
 log = logging.getLogger(__name__)
 
 
-def _make_suppress_processor():
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    class SuppressVisionTokens(LogitsProcessor):
-        """Set the vision special tokens' logits to -inf for every request."""
-
-        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-            ids = unsamplable_token_ids(vllm_config.model_config.hf_config)
-            self.ids = torch.tensor(ids, dtype=torch.long, device=device)
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def update_state(self, batch_update) -> None:
-            pass
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            logits.index_fill_(1, self.ids, float("-inf"))
-            return logits
-
-    return SuppressVisionTokens
-
-
-class _DropVllmNoise(logging.Filter):
-    """Drops two vLLM warnings that are about vLLM's own internals, not this run, and would flood the console.
-
-    * "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it." vLLM's CPU
-      worker replaces `torch.set_num_threads` with a stub that logs this (the OpenMP threads are already
-      bound to cores), and vLLM's multimodal renderer calls `torch.set_num_threads` twice around every
-      request's image processing. With the engine in the trainer's process every request hits the stub: a
-      smoke run logged ~120,000 of these. The calls are meant to be skipped, nothing is lost.
-    * "<X>RotaryEmbedding: Failed to load weights", at every weight push. A rotary layer's only tensor is
-      `cos_sin_cache`, a non-persistent buffer computed from the config, never part of a checkpoint or a
-      push; vLLM's layerwise reload then puts the existing cache back (its fallback right after the warning).
-      The same warning for any other layer, a real missing weight, still shows.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = str(record.msg)
-        if message.startswith("CPU backend doesn't allow to use `torch.set_num_threads`"):
-            return False
-        rotary = bool(record.args) and str(record.args[0]).endswith("RotaryEmbedding")
-        return not (message == "%s: Failed to load weights" and rotary)
-
-
-def _quiet_vllm() -> None:
-    """Install `_DropVllmNoise` on the two vLLM loggers, and ignore the FutureWarning about
-    `torch.distributed.reduce_op` that vLLM's kernel registration raises by probing every module attribute
-    (vLLM's scan, not a call of ours). Idempotent."""
-    for name in ("vllm.v1.worker.cpu_worker", "vllm.model_executor.model_loader.reload.layerwise"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropVllmNoise) for f in logger.filters):
-            logger.addFilter(_DropVllmNoise())
-    warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)
-
-
 NO_WEIGHTS = -1  # `EngineStats.synced_version` when the engine holds none of the policy's weights
-
-
-def _host_side_image_normalisation() -> dict:
-    """`mm_device_do_normalize=False` where vLLM has the option (0.32): its device-side image normalisation
-    keeps the processor's mean/std in persistent buffers (`FusedMMInputNorm`) that are not in the checkpoint,
-    so the dummy loader leaves them random and no weight push restores them (measured: per-token logprob
-    errors of 0.14 against the trainer after a full push). Normalising on the host, as vLLM did before,
-    has no such buffer. Costs host CPU time per image, nothing on the device."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import EngineArgs
-
-    options = {f.name for f in dataclasses.fields(EngineArgs)}
-    return {"mm_device_do_normalize": False} if "mm_device_do_normalize" in options else {}
 
 
 @dataclass
@@ -152,56 +87,6 @@ class EngineStats:
     num_syncs: int = 0
     last_sync_s: float = 0.0
     last_sync_bytes: int = 0
-
-
-def llm_kwargs(
-    model_path: str,
-    cfg: RolloutConfig,
-    *,
-    trust_remote_code: bool,
-    max_model_len: int,
-    min_pixels: int,
-    max_pixels: int,
-    mm_processor_kwargs: dict | None = None,
-) -> dict:
-    """The `vllm.LLM` arguments that come from the config alone (the engine adds the rank's seed, the dtype,
-    sleep mode and the logits processor). `mm_processor_kwargs`: the processor sizes of `data.prompts.
-    processor_kwargs` (default: images only, within [min_pixels, max_pixels])."""
-    # Seeded requests + chunked prefill crash on CPU ("CPU Generator does not use offset"); with chunked
-    # prefill off, one scheduler step must hold the largest prompt.
-    return dict(
-        model=model_path,
-        trust_remote_code=trust_remote_code,  # worker.actor.model.trust_remote_code, as transformers gets it
-        distributed_executor_backend="external_launcher",
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager,
-        load_format="dummy",  # the weights come from the policy (first `rollout_mode`), not from disk
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
-        max_num_seqs=cfg.max_num_seqs,
-        enable_chunked_prefill=False,
-        limit_mm_per_prompt={"image": cfg.limit_images, "video": cfg.limit_videos},
-        # `size`, not min_pixels/max_pixels: transformers deprecates those as per-call processor kwargs.
-        mm_processor_kwargs=mm_processor_kwargs
-        or {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
-        logprobs_mode="processed_logprobs",
-    )
-
-
-def _processor_kwargs(cfg: Config) -> dict:
-    """The processor sizes the trainer uses too (`data.prompts.processor_kwargs`): images only unless the
-    run allows videos, then per modality with the video budget of the model's patch x merge factor."""
-    from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR
-    from spmd_grpo.data.prompts import processor_kwargs
-    from spmd_grpo.data.videos import VideoRules
-    from spmd_grpo.models.families import family_of_model_path
-
-    if not cfg.worker.rollout.limit_videos:
-        return processor_kwargs(cfg.data, None)
-    family = family_of_model_path(cfg.worker.actor.model.model_path)
-    factor = family.image_factor if family is not None else DEFAULT_IMAGE_FACTOR
-    return processor_kwargs(cfg.data, VideoRules.of(cfg.data, factor))
 
 
 class RolloutEngine:
@@ -227,7 +112,7 @@ class RolloutEngine:
     ) -> None:
         from vllm import LLM
 
-        _quiet_vllm()
+        quiet_vllm()
         self.cfg, self.world, self.dtype = cfg, world, dtype
         self.tie_word_embeddings = tie_word_embeddings
         self.tp = cfg.tensor_parallel_size
@@ -250,8 +135,8 @@ class RolloutEngine:
             seed=seed + world.rank // self.tp,
             dtype=dtype,
             enable_sleep_mode=self.sleep_enabled,
-            logits_processors=[_make_suppress_processor()],
-            **_host_side_image_normalisation(),
+            logits_processors=[suppress_vision_tokens_processor()],
+            **host_side_image_normalisation(),
             **(vllm_lora_kwargs(adapter_lora) if adapter_lora else {}),
         )
         self.adapters = AdapterSync(adapter_lora) if adapter_lora else None
@@ -274,7 +159,7 @@ class RolloutEngine:
             seed=cfg.trainer.seed,
             tie_word_embeddings=tie_word_embeddings,
             trust_remote_code=cfg.worker.actor.model.trust_remote_code,
-            mm_processor_kwargs=_processor_kwargs(cfg),
+            mm_processor_kwargs=engine_processor_kwargs(cfg),
             adapter_lora=lora if lora.enabled and rollout.lora_sync == "adapter" else None,
         )
 

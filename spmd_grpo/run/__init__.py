@@ -1,6 +1,7 @@
 """A run's life on disk: checkpoints, what a start does with its run directory, and export.
 
-    checkpoint.py  sharded DCP checkpoints with LR schedule, RNG and trainer state; completeness checks
+    checkpoint.py  sharded DCP checkpoints with LR schedule, RNG and trainer state: save and load
+    checkpoint_dirs.py  the checkpoint directories: complete, damaged, and the one a resume takes
     start.py       `plan_start`: new run or resume, and which config changes a resume accepts
     manifest.py    size and CRC-32 of every checkpoint file, written at save and verified before a resume
     lineage.py     a resume from an earlier checkpoint sets the later ones (an abandoned branch) aside
@@ -17,19 +18,21 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "checkpoint": (
+            "save_checkpoint",
+            "load_checkpoint",
+            "write_atomic",
+        ),
+        "checkpoint_dirs": (
             "CHECKPOINTS",
             "TRAINER_STATE",
             "SCHEDULER",
             "CONFIG",
             "LATEST",
             "missing_parts",
+            "step_of",
             "complete_checkpoints",
-            "save_checkpoint",
             "damaged_parts",
             "find_checkpoint",
-            "load_checkpoint",
-            "step_of",
-            "write_atomic",
         ),
         "manifest": (
             "MANIFEST",

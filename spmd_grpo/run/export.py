@@ -42,7 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from spmd_grpo.models.families import family_of_model_path
 from spmd_grpo.models.weights import INDEX, hf_name
-from spmd_grpo.run.checkpoint import TRAINER_STATE, missing_parts
+from spmd_grpo.run.checkpoint_dirs import TRAINER_STATE, missing_parts
 from spmd_grpo.run.export_lora import MODEL_PREFIX, adapter_keys, export_adapter
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 from spmd_grpo.models.families import family_of_model_path
 from spmd_grpo.models.lora import ADAPTER, is_adapter_name
 from spmd_grpo.models.weights import INDEX, hf_name, weight_files
-from spmd_grpo.run.checkpoint import CONFIG
+from spmd_grpo.run.checkpoint_dirs import CONFIG
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from spmd_grpo.parallel.collectives import World, all_gather_objects, barrier
-from spmd_grpo.run.checkpoint import CHECKPOINTS, LATEST, step_of, write_atomic
+from spmd_grpo.run.checkpoint import write_atomic
+from spmd_grpo.run.checkpoint_dirs import CHECKPOINTS, LATEST, step_of
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ import yaml
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import dump_yaml, to_dict
 from spmd_grpo.config.schema import Config
-from spmd_grpo.run.checkpoint import CHECKPOINTS, CONFIG, complete_checkpoints, find_checkpoint
+from spmd_grpo.run.checkpoint_dirs import CHECKPOINTS, CONFIG, complete_checkpoints, find_checkpoint
 from spmd_grpo.run.lineage import later_checkpoints
 
 log = logging.getLogger(__name__)

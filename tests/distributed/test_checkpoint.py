@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from spmd_grpo.run.checkpoint import damaged_parts
+from spmd_grpo.run.checkpoint_dirs import damaged_parts
 from tests.conftest import CHECKPOINT_JOB, torchrun
 
 

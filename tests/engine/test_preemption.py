@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 
-from spmd_grpo.run.checkpoint import find_checkpoint
+from spmd_grpo.run.checkpoint_dirs import find_checkpoint
 from tests.conftest import REPO, torchrun, torchrun_command
 
 SAVE_GRACE_S = 3.0  # run 1: shorter than the stalled save

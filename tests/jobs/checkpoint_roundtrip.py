@@ -32,7 +32,8 @@ from spmd_grpo.models.inputs import collate
 from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from spmd_grpo.parallel.devices import seed_everything
-from spmd_grpo.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
+from spmd_grpo.run.checkpoint_dirs import find_checkpoint
 from tests.jobs.common import run_job
 
 GLOBAL_BATCH = 2

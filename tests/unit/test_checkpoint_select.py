@@ -16,13 +16,8 @@ import torch
 from torch import nn
 
 from spmd_grpo.actor.optimizer import OptimizerBundle
-from spmd_grpo.run.checkpoint import (
-    damaged_parts,
-    find_checkpoint,
-    load_checkpoint,
-    missing_parts,
-    save_checkpoint,
-)
+from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
+from spmd_grpo.run.checkpoint_dirs import damaged_parts, find_checkpoint, missing_parts
 from spmd_grpo.run.manifest import file_crc32
 from tests.conftest import ONE_CPU_RANK, fake_checkpoint
 
@@ -70,9 +65,9 @@ def test_auto_picks_newest_complete_and_warns_about_the_rest(tmp_path, caplog):
     fake_checkpoint(tmp_path, "global_step_7", complete=False)  # killed after DCP, before trainer_state.json
     fake_checkpoint(tmp_path, "global_step_9.tmp")  # killed mid-save
     (tmp_path / "checkpoints" / "latest").write_text("global_step_5")
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.run.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.run.checkpoint_dirs"):
         assert find_checkpoint(tmp_path, "auto") == tmp_path / "checkpoints" / "global_step_5"
-    warned = "\n".join(r.getMessage() for r in caplog.records if r.name == "spmd_grpo.run.checkpoint")
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.name == "spmd_grpo.run.checkpoint_dirs")
     assert "global_step_9.tmp" in warned and "global_step_7" in warned and "trainer_state.json" in warned
     assert "global_step_5" not in warned and "global_step_3" not in warned
 
@@ -81,7 +76,7 @@ def test_auto_prefers_newest_over_a_stale_latest(tmp_path, caplog):
     fake_checkpoint(tmp_path, "global_step_10")
     fake_checkpoint(tmp_path, "global_step_2")  # numeric, not lexicographic order
     (tmp_path / "checkpoints" / "latest").write_text("global_step_2")
-    with caplog.at_level(logging.WARNING, logger="spmd_grpo.run.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.run.checkpoint_dirs"):
         assert find_checkpoint(tmp_path, "auto").name == "global_step_10"
     assert "latest" in caplog.text
 
