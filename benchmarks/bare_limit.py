@@ -2,7 +2,7 @@
 does the same work, in one run, so that ours / bare says what the framework costs.
 
     python benchmarks/bare_limit.py [--dtypes float32,bfloat16] [--ranks 1,2] [--steps 5] [--prompts 16]
-        [--response-length 64] [--threads 2] [--out result.json]
+        [--response-length 64] [--threads 2] [--set KEY=VALUE ...] [--out result.json]
 
 The workload (the 'small' one): a generated ~29M-parameter Qwen2.5-VL (hidden 512, 8 layers; the model of
 benchmarks/step_throughput.py, built once into .cache/bench_tput_model, no download), the built-in colour
@@ -91,6 +91,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, dtype: str, ranks: int, 
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"), f"trainer.max_steps={args.steps}",
         f"trainer.output_dir={work}", f"trainer.experiment_name={name}", *workload(args, model_dir, dtype),
+        *args.set,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // ranks)), "PYTHONPATH": str(REPO)}
     print(f"[bare-limit] ours: {dtype}, {ranks} rank(s)", file=sys.stderr, flush=True)
@@ -286,6 +287,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--response-length", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="cores for each run (split between ranks)")
+    ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override for our runs")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--bare-worker", default=None, help=argparse.SUPPRESS)
