@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.step_throughput import MODEL_SPEC  # noqa: E402
+from benchmarks.step_throughput import MODEL_SPEC, RUN_CONTROL  # noqa: E402
 
 MICRO_BATCH = 4
 QUESTION = "Which color? Answer with a digit."
@@ -68,12 +68,7 @@ def workload(args: argparse.Namespace, model_dir: Path, dtype: str) -> list[str]
         f"worker.actor.micro_batch_size_per_device_for_update={MICRO_BATCH}",
         "worker.actor.model.freeze_vision_tower=true",
         "algorithm.use_kl_loss=false",
-        "worker.rollout.max_num_batched_tokens=16384",
-        "trainer.val_before_train=false",
-        "trainer.val_freq=-1",
-        "trainer.save_freq=-1",
-        "trainer.logger=[jsonl]",
-        "trainer.resume=none",
+        *RUN_CONTROL,
     ]
 
 

@@ -98,17 +98,20 @@ DAPO = [
     "algorithm.filter_groups.max_num_gen_batches=0",
 ]
 
-BASE = [
-    "worker.rollout.n=8",
-    "worker.actor.micro_batch_size_per_device_for_update=4",
-    "worker.actor.micro_batch_size_per_device_for_experience=16",
-    "worker.actor.model.freeze_vision_tower=true",  # in every configuration: image-feature reuse needs it
+RUN_CONTROL = [  # a benchmark run: no validation, no checkpoints, metrics to metrics.jsonl only, a fresh start
     "worker.rollout.max_num_batched_tokens=16384",
     "trainer.val_before_train=false",
     "trainer.val_freq=-1",
     "trainer.save_freq=-1",
     "trainer.logger=[jsonl]",
     "trainer.resume=none",
+]
+BASE = [
+    "worker.rollout.n=8",
+    "worker.actor.micro_batch_size_per_device_for_update=4",
+    "worker.actor.micro_batch_size_per_device_for_experience=16",
+    "worker.actor.model.freeze_vision_tower=true",  # in every configuration: image-feature reuse needs it
+    *RUN_CONTROL,
 ]
 
 PHASES = [
