@@ -41,10 +41,15 @@ from spmd_grpo.models.families import PUBLISHED
 from tests.conftest import CACHE, REPO, tiny_model, torchrun
 
 RUN_ELSEWHERE = {
+    "smoke": "trained by tests/engine/test_train_loop.py (3 steps, every metric) and test_families_grpo.py (60 "
+    "steps per family), and for 300 steps by make smoke-test",
+    "smoke_dapo": "trained by tests/engine/test_dynamic_sampling.py (2 steps, ranks keeping different group "
+    "counts); the DAPO path also runs here with qwen2_5_vl_7b_geo3k_dapo",
     "smoke_video": "smoke.yaml on builtin:video_color: the video path runs here with qwen2_5_vl_7b_video_grpo, "
     "and this config's own run is its learning run (python -m spmd_grpo.smoke --config configs/smoke_video.yaml)",
 }
-"""Configs validated (tests/unit/test_config.py) but not trained here, each with why: 60 s of the tier each."""
+"""Configs validated (tests/unit/test_config.py) but not trained here, each with why and where it is trained
+(each run here costs the tier 15-20 s)."""
 CONFIGS = sorted(c for c in (REPO / "configs").glob("*.yaml") if c.stem not in RUN_ELSEWHERE)
 WORLD_SIZE = 2
 
