@@ -87,6 +87,17 @@ def _assert_same_grads(a: dict, b: dict) -> None:
         assert err <= 1e-5 * scale + 1e-9, f"{name}: max error {err:.3g} vs max |grad| {scale:.3g}"
 
 
+def _assert_same_pass(policy: PolicyModule, reference, other, weights: torch.Tensor, atol: float):
+    """`other` gives `reference`'s logprobs and entropy (within `atol`) and its gradients; returns
+    (logprobs, {name: grad}) of `reference` for the caller's own checks."""
+    lp_ref, ent_ref, g_ref = _run(policy, reference, weights)
+    lp, ent, g = _run(policy, other, weights)
+    torch.testing.assert_close(lp, lp_ref, atol=atol, rtol=0)
+    torch.testing.assert_close(ent, ent_ref, atol=atol, rtol=0)
+    _assert_same_grads(g_ref, g)
+    return lp_ref, g_ref
+
+
 @pytest.fixture(params=["sdpa", VARLEN_SDPA])
 def attention(request, tiny):
     """The tiny policy with transformers' sdpa (a packed row gets a dense block-diagonal mask) or the
@@ -106,12 +117,8 @@ def test_packed_forward_equals_padded_logprobs_and_gradients(tiny, mix, attentio
     packed = collate(*seqs, pad, packed=True)
     assert packed.input_ids.shape == (1, int(padded.attention_mask.sum())) and packed.attention_mask is None
     weights = torch.rand(padded.response_mask.shape, generator=torch.Generator().manual_seed(0))
-    lp_pad, ent_pad, g_pad = _run(policy, padded, weights)
-    lp_pack, ent_pack, g_pack = _run(policy, packed, weights)
-    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent_pack, ent_pad, atol=1e-5, rtol=0)
+    lp_pad, _ = _assert_same_pass(policy, padded, packed, weights, atol=1e-5)
     assert (lp_pad[padded.response_mask == 0] == 0).all() and (lp_pad[padded.response_mask == 1] < 0).all()
-    _assert_same_grads(g_pad, g_pack)
 
 
 def test_varlen_sdpa_batches_equal_lengths_and_builds_no_mask(tiny, monkeypatch):
@@ -183,11 +190,7 @@ def test_reused_image_features_give_the_same_logprobs_and_gradients(tiny, packed
         reused = collate(prompts, responses, pixels, grids, pad, packed=packed, image_features=features)
         assert reused.pixel_values is None and len(reused.image_features) == 3
         weights = torch.rand(encoded.response_mask.shape, generator=torch.Generator().manual_seed(1))
-        lp_a, ent_a, g_a = _run(policy, encoded, weights)
-        lp_b, ent_b, g_b = _run(policy, reused, weights)
-        torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=0)
-        torch.testing.assert_close(ent_b, ent_a, atol=1e-6, rtol=0)
-        _assert_same_grads(g_a, g_b)
+        _, g_a = _assert_same_pass(policy, encoded, reused, weights, atol=1e-6)
         assert not any(n.startswith("hf.model.visual") for n in g_a)
     finally:
         policy.hf.model.visual.requires_grad_(True)
@@ -312,9 +315,5 @@ def test_packed_equals_padded_for_video_and_image_video_prompts(tiny):
     padded, packed = collate(*args, **flags), collate(*args, packed=True, **flags)
     assert padded.video_grid_thw.shape == (2, 3) and padded.second_per_grid_ts.tolist() == [1.0, 1.0]
     weights = torch.rand(padded.response_mask.shape, generator=torch.Generator().manual_seed(0))
-    lp_pad, ent_pad, g_pad = _run(policy, padded, weights)
-    lp_pack, ent_pack, g_pack = _run(policy, packed, weights)
-    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent_pack, ent_pad, atol=1e-5, rtol=0)
-    _assert_same_grads(g_pad, g_pack)
+    _, g_pad = _assert_same_pass(policy, padded, packed, weights, atol=1e-5)
     assert any(name.startswith("hf.model.visual") for name in g_pad)
