@@ -81,6 +81,18 @@ def check_family(model_path: str) -> None:
         raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
 
 
+def check_lora_targets(cfg: Config) -> None:
+    """LoRA target and exclude modules that leave no layer, or name one the model lacks, stop here."""
+    model = cfg.worker.actor.model
+    if model.lora.enabled:
+        from spmd_grpo.models.lora import check_targets
+
+        try:
+            check_targets(model.model_path, model.lora, trust_remote_code=model.trust_remote_code)
+        except ValueError as e:
+            raise ConfigError(f"{e} (model {model.model_path})") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     exit_with_launcher()  # a rank whose torchrun agent is killed must not go on alone
     argv = sys.argv[1:] if argv is None else argv
@@ -97,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         check_reward_imports(cfg)
         check_hub(cfg)
         check_family(cfg.worker.actor.model.model_path)
+        check_lora_targets(cfg)
         check_versions()
         from spmd_grpo.run.lock import lock_run_dir, name_holder
         from spmd_grpo.run.start import plan_start
