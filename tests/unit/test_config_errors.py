@@ -99,7 +99,10 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["data.train_files=ROOT/empty"], "data.train_files"),
     (["data.train_files=ROOT/not_parquet.parquet"], "data.train_files"),
     # LoRA targets are matched against the model's layers (its config.json, built on the meta device)
-    ([f"{A}model.lora.rank=8", f"{A}model.lora.target_modules=[q_proj,qkv_proj]"], f"{A}model.lora.target_modules"),
+    (
+        [f"{A}model.lora.rank=8", f"{A}model.lora.target_modules=[q_proj,qkv_proj]"],
+        f"{A}model.lora.target_modules",
+    ),
     ([f"{A}model.lora.rank=8", f"{A}model.lora.exclude_modules=[model]"], f"{A}model.lora"),
     (["data.val_files=./val_missing"], "data.val_files"),
     (["data.rollout_batch_size=16"], "data.rollout_batch_size"),  # > the 8 rows of train.parquet
@@ -267,7 +270,9 @@ def test_the_base_config_reaches_the_trainer(cli, files):
             [str(files / "base.yaml"), f"worker.reward.reward_function={files / 'reward.py'}:my_reward"]
         )
     with pytest.raises(ReachedTrainer):  # LoRA targets the model has
-        train.main([str(files / "base.yaml"), f"{A}model.lora.rank=8", f"{A}model.lora.target_modules=[q_proj]"])
+        train.main(
+            [str(files / "base.yaml"), f"{A}model.lora.rank=8", f"{A}model.lora.target_modules=[q_proj]"]
+        )
 
 
 @pytest.mark.parametrize("overrides, key", BAD, ids=[" ".join(o) for o, _ in BAD])
