@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-fast test-dist test-engine test-gpu smoke-test lint fmt clean
+.PHONY: install test test-fast test-dist test-engine test-gpu smoke-test smoke-test-lora lint fmt clean
 
 # --compile-bytecode: uv installs no .pyc files, and where PYTHONDONTWRITEBYTECODE is set Python never writes
 # them, so every process (each test session, each torchrun rank) compiled torch, transformers and vLLM from
@@ -46,6 +46,11 @@ test-gpu: install
 # The main job on the built-in tiny default: 2 ranks under torchrun on this machine.
 smoke-test: install
 	$(PY) -m spmd_grpo.smoke
+
+# The same job with LoRA adapters on a frozen base: only the rank, alpha and learning rate differ.
+smoke-test-lora: install
+	$(PY) -m spmd_grpo.smoke worker.actor.model.lora.rank=16 worker.actor.model.lora.alpha=32 \
+		worker.actor.optim.lr=5e-4 trainer.experiment_name=smoke_lora
 
 lint: install
 	$(PY) -m ruff check spmd_grpo tests benchmarks

@@ -204,7 +204,7 @@ def _prime(path: Path) -> None:
 def _swapped(cfg: Config, tmp_path: Path) -> list[str]:
     """The model and data overrides: what cannot exist on this machine (hub checkpoints and data sets)."""
     model_path = cfg.worker.actor.model.model_path
-    if model_path == "":  # the smoke configs: `python -m spmd_grpo.smoke` fills in the default tiny model
+    if model_path == "":  # the smoke configs: `spmd_grpo.smoke` fills in its wider SMOKE_MODEL
         model = tiny_model()
     else:
         assert model_path in PUBLISHED, (
