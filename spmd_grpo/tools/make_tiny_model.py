@@ -150,9 +150,10 @@ def _draw_head(model, spec: TinyModelSpec) -> None:
     logit can be raised by at most |head row| * sqrt(hidden_size), which is sqrt(hidden_size) times the spread
     of the logits at init. A run that trains only below a frozen head (LoRA on every linear layer) has no
     other way to make an answer likely. HF's init (0.02) at width 64 leaves a token 1.3 nats of reach: no
-    answer digit of the colour task gets above ~2 % (a supervised LoRA fit stalls at 1.5 %). A trained model
-    has tens of nats. `spmd_grpo.smoke`'s model is 256 wide with head_logit_std 0.6: 9.6 nats of reach, an
-    initial entropy of 6.06 nats over the 512 tokens (uniform: 6.24), and a supervised LoRA fit reaches 97 %.
+    answer digit of the colour task gets above ~2 % (a supervised LoRA fit stalls at 1.4 %). A trained model
+    has tens of nats. `spmd_grpo.smoke`'s model is 256 wide with head_logit_std 0.6: 9.8 nats of reach, an
+    initial entropy of 6.06 nats over the 512 tokens (uniform: 6.24), and a supervised LoRA fit reaches 97 %
+    (`benchmarks/head_reach.py`).
     """
     std = spec.head_logit_std / spec.hidden_size**0.5
     generator = torch.Generator().manual_seed(spec.seed + 1)
