@@ -85,10 +85,10 @@ def check_lora_targets(cfg: Config) -> None:
     """LoRA target and exclude modules that leave no layer, or name one the model lacks, stop here."""
     model = cfg.worker.actor.model
     if model.lora.enabled:
-        from spmd_grpo.models.lora import check_targets
+        from spmd_grpo.models import build
 
         try:
-            check_targets(model.model_path, model.lora, trust_remote_code=model.trust_remote_code)
+            build.check_lora_targets(model.model_path, model.lora, trust_remote_code=model.trust_remote_code)
         except ValueError as e:
             raise ConfigError(f"{e} (model {model.model_path})") from None
 

@@ -53,10 +53,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spmd_grpo.config.workers import ActorConfig, FSDPConfig, RefConfig
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, RefConfig
 from spmd_grpo.models.attention import varlen_attention
 from spmd_grpo.models.families import family_of
-from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_adapter_name
+from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_adapter_name, target_module_names
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from spmd_grpo.models.weights import load_safetensors_into
 from spmd_grpo.parallel.collectives import World, barrier
@@ -160,6 +160,24 @@ def meta_hf_model(
         return AutoModelForImageTextToText.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
+
+
+def check_lora_targets(model_path: str, cfg: LoRAConfig, *, trust_remote_code: bool = False) -> None:
+    """`target_module_names` on the meta-device model of `model_path`'s config, before any process group:
+    a target that matches no layer fails in one line at start-up rather than after the process groups form.
+    A hub id not yet in the local cache is checked when the model is built, after its download."""
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model_path, "config.json")
+        except Exception:  # not a valid repo id: the model path checks name it
+            return
+        if not isinstance(cached, str):
+            return
+        path = Path(cached).parent
+    target_module_names(meta_hf_model(path, torch.bfloat16, trust_remote_code=trust_remote_code), cfg)
 
 
 def init_non_persistent_buffers(hf_model: nn.Module, device: torch.device) -> None:

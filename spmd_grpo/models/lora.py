@@ -82,28 +82,6 @@ def target_module_names(hf_model: nn.Module, cfg: LoRAConfig) -> list[str]:
     return targets
 
 
-def check_targets(model_path: str, cfg: LoRAConfig, *, trust_remote_code: bool = False) -> None:
-    """`target_module_names` on the meta-device model of `model_path`'s config, before any process group:
-    a target that matches no layer fails in one line at start-up rather than after the process groups form.
-    A hub id not yet in the local cache is checked when the model is built, after its download."""
-    from pathlib import Path
-
-    from spmd_grpo.models.build import meta_hf_model
-
-    path = Path(model_path).expanduser()
-    if not path.is_dir():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(model_path, "config.json")
-        except Exception:  # not a valid repo id: the model path checks name it
-            return
-        if not isinstance(cached, str):
-            return
-        path = Path(cached).parent
-    target_module_names(meta_hf_model(path, torch.bfloat16, trust_remote_code=trust_remote_code), cfg)
-
-
 def add_adapters(hf_model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     """Inject LoRA adapters (fp32) into `hf_model` (on the meta device) and freeze everything else."""
     from peft import LoraConfig, inject_adapter_in_model
