@@ -8,14 +8,21 @@ from PIL import Image
 
 
 def run_job(main: Callable[[], None]) -> None:
-    """Run a job's `main` under torchrun, then tear the process group down before the interpreter exits:
-    gloo's threads otherwise race the exit ("terminate called without an active exception", exit -6,
-    seen as a flaky test)."""
+    """Run a job's `main` under torchrun, tear the process group down, then leave without the interpreter's
+    teardown. gloo's threads race the exit ("terminate called without an active exception", exit -6): seen
+    as a flaky test, last in a fresh-clone CI run of the checkpoint job, after every rank had finished its
+    work and destroyed the group. An exception from `main` still propagates (non-zero exit)."""
+    import os
+    import sys
+
     from spmd_grpo.parallel.collectives import barrier, destroy
 
     main()
     barrier()
     destroy()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def chat_text(processor, num_images: int, text: str, num_videos: int = 0) -> str:
