@@ -8,10 +8,13 @@ from PIL import Image
 
 
 def run_job(main: Callable[[], None]) -> None:
-    """Run a job's `main` under torchrun, tear the process group down, then leave without the interpreter's
-    teardown. gloo's threads race the exit ("terminate called without an active exception", exit -6): seen
-    as a flaky test, last in a fresh-clone CI run of the checkpoint job, after every rank had finished its
-    work and destroyed the group. An exception from `main` still propagates (non-zero exit)."""
+    """Run a job's `main` under torchrun and tear the process group down. A job without vLLM then leaves
+    without the interpreter's teardown: gloo's threads race it ("terminate called without an active
+    exception", exit -6), seen as a flaky test, last in a fresh-clone CI run of the checkpoint job after every
+    rank had finished its work and destroyed the group. A job with a vLLM engine needs that teardown: vLLM's
+    CPU engine unlinks its shared-memory segments there (skipping it left `/dev/shm/-tp:0-[0-1]-cpushm_*`
+    behind, and the next tensor-parallel engine failed with EEXIST). An exception from `main` still
+    propagates (non-zero exit)."""
     import os
     import sys
 
@@ -20,9 +23,10 @@ def run_job(main: Callable[[], None]) -> None:
     main()
     barrier()
     destroy()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if "vllm" not in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def chat_text(processor, num_images: int, text: str, num_videos: int = 0) -> str:
