@@ -36,6 +36,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "attention_setup",
             "hf_config",
             "meta_hf_model",
+            "check_lora_targets",
             "init_non_persistent_buffers",
             "fill_from_checkpoint",
             "build_sharded",
@@ -66,6 +67,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ),
         "lora": (
             "ADAPTER",
+            "ADAPTER_FILE",
             "is_adapter_name",
             "base_name",
             "target_module_names",
@@ -78,6 +80,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "merge_sources",
             "head_parts",
             "merged_weight",
+            "write_peft_adapter",
         ),
         "policy": (
             "VISION_TOKEN_KEYS",

@@ -44,6 +44,7 @@ from spmd_grpo.config.workers import LORA_ALL_LINEAR, LoRAConfig
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 ADAPTER_KEYS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
 BASE_LAYER = ".base_layer."
+ADAPTER_FILE = "adapter_model.safetensors"  # a PEFT adapter directory's weights
 
 
 def is_adapter_name(name: str) -> bool:
@@ -177,6 +178,38 @@ def merged_weight(base: torch.Tensor, source: tuple[torch.Tensor, torch.Tensor, 
     scale = source[2]
     with torch.no_grad():
         return (base.float() + scale * (b.detach().float() @ a.detach().float())).to(base.dtype)
+
+
+def write_peft_adapter(
+    tensors: dict[str, torch.Tensor],
+    out,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    base_model: str | None = None,
+) -> list[str]:
+    """Write the PEFT adapter directory `out` (`adapter_model.safetensors` of `tensors`, keyed
+    `base_model.model.<module>.lora_A.weight` / `.lora_B.weight`, and PEFT's own `adapter_config.json`), the
+    format `PeftModel.from_pretrained` and vLLM's `LoRARequest` load; returns the adapted modules' names."""
+    from pathlib import Path
+
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=modules,
+        bias="none",
+        base_model_name_or_path=base_model,
+    ).save_pretrained(str(out))
+    return modules
 
 
 def head_parts(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:

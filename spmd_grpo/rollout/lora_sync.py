@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from spmd_grpo.config.workers import LoRAConfig
-from spmd_grpo.models.lora import ADAPTER, lora_layers
+from spmd_grpo.models.lora import ADAPTER, lora_layers, write_peft_adapter
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `max_lora_rank` values vLLM 0.32 accepts."""
@@ -64,18 +64,11 @@ class AdapterSync:
 
     def push(self, llm, policy: nn.Module, version: int) -> int:
         """Gather the adapters, hand them to vLLM under a new id, drop the old one; returns bytes moved."""
-        from peft import LoraConfig
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         tensors = adapter_tensors(policy)
-        modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
         path = self.root / f"v{version}_{self._next_id}"
-        path.mkdir()
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        LoraConfig(
-            r=self.lora.rank, lora_alpha=self.lora.alpha, target_modules=modules, bias="none"
-        ).save_pretrained(str(path))
+        write_peft_adapter(tensors, path, rank=self.lora.rank, alpha=self.lora.alpha)
         old = self.request
         self.request = LoRARequest(f"policy_v{version}", self._next_id, str(path))
         self._next_id += 1

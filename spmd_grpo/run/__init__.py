@@ -55,7 +55,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ),
         "export_lora": (
             "MODEL_PREFIX",
-            "ADAPTER_FILE",
             "adapter_keys",
             "export_adapter",
         ),

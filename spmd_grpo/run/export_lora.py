@@ -34,14 +34,13 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from spmd_grpo.models.families import family_of_model_path
-from spmd_grpo.models.lora import ADAPTER, is_adapter_name
+from spmd_grpo.models.lora import ADAPTER, is_adapter_name, write_peft_adapter
 from spmd_grpo.models.weights import INDEX, hf_name, weight_files
 from spmd_grpo.run.checkpoint_dirs import CONFIG
 
 log = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model."  # the policy's DCP keys (checkpoint.py saves {"model": ..., "optim": ...})
-ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def adapter_keys(ckpt: Path) -> dict[str, str]:
@@ -90,23 +89,17 @@ def export_adapter(
 ) -> Path:
     """Write the PEFT adapter directory `out` (and the merged model at `merged`, whose config, tokenizer and
     processor files `side_files(merged)` writes); see the module docstring."""
-    from peft import LoraConfig
-
     keys = adapter_keys(ckpt)
     tensors = {keys[k]: t.to(dtype).contiguous() for k, t in _read(ckpt, list(keys)).items()}
-    modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
     lora = _lora_settings(ckpt)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
-    config = LoraConfig(
-        r=lora["rank"],
-        lora_alpha=lora["alpha"],
-        lora_dropout=lora["dropout"],
-        target_modules=modules,
-        bias="none",
-        base_model_name_or_path=model_path,
+    modules = write_peft_adapter(
+        tensors,
+        out,
+        rank=lora["rank"],
+        alpha=lora["alpha"],
+        dropout=lora["dropout"],
+        base_model=model_path,
     )
-    config.save_pretrained(str(out))
     log.info(
         "exported %d adapter tensors (%d modules, rank %d) -> %s",
         len(tensors),
