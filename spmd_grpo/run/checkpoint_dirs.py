@@ -94,7 +94,7 @@ def damaged_parts(path: Path, *, checksums: bool = True) -> list[str]:
 def find_checkpoint(run_dir: Path, resume: str, *, checksums: bool = True) -> Path | None:
     """The checkpoint to resume from: `none` -> None; `auto` -> the newest complete, undamaged one under
     `<run_dir>/checkpoints` (None if there is none; damaged ones are reported by file and skipped, so the
-    previous checkpoint is used); anything else -> that directory, which must be complete and undamaged.
+    previous checkpoint is used; older ones than the first undamaged are not read); anything else -> that directory, which must be complete and undamaged.
     `checksums`: verify the manifest's CRC-32s too (reads every byte), not only its sizes."""
     if resume == "none":
         return None
@@ -117,14 +117,15 @@ def find_checkpoint(run_dir: Path, resume: str, *, checksums: bool = True) -> Pa
             log.warning(
                 "ignoring incomplete checkpoint %s (missing %s)", p, ", ".join(missing_parts(p)) or "?"
             )
+    newest = None  # verified newest first, until one is undamaged: one full read when the newest is
     for step in sorted(complete, reverse=True):
         damage = damaged_parts(complete[step], checksums=checksums)
-        if damage:
-            log.warning("skipping damaged checkpoint %s: %s", complete[step], "; ".join(damage))
-            del complete[step]
-    if not complete:
+        if not damage:
+            newest = complete[step]
+            break
+        log.warning("skipping damaged checkpoint %s: %s", complete[step], "; ".join(damage))
+    if newest is None:
         return None
-    newest = complete[max(complete)]
     latest_file = root / LATEST
     if latest_file.is_file():
         named = latest_file.read_text().strip()
