@@ -228,10 +228,7 @@ class RolloutEngine:
             return
         if self.adapters is not None and self.stats.synced_version != NO_WEIGHTS:  # the adapters alone
             start = time.perf_counter()
-            num_bytes = self.adapters.push(self.llm, policy, version)
-            self.stats.num_syncs += 1
-            self.stats.synced_version, self.stats.last_sync_bytes = version, num_bytes
-            self.stats.last_sync_s = time.perf_counter() - start
+            self._record_sync(version, start, self.adapters.push(self.llm, policy, version))
             return
         # A parameter that does not require grad never changes: send it only to an engine without weights.
         frozen = set()
@@ -268,10 +265,14 @@ class RolloutEngine:
             # pages resident, so without a trim RSS stays ~1 x the model higher after each push and the next
             # push adds its peak on top (benchmarks/README.md). malloc_trim(0) hands the free pages back.
             _malloc_trim()
+        self._record_sync(version, start, counted.num_bytes)
+
+    def _record_sync(self, version: int, start: float, num_bytes: int) -> None:
+        """The engine now holds `version`: a push that began at `start` (perf_counter) moved `num_bytes`."""
         self.stats.synced_version = version
         self.stats.num_syncs += 1
         self.stats.last_sync_s = time.perf_counter() - start
-        self.stats.last_sync_bytes = counted.num_bytes
+        self.stats.last_sync_bytes = num_bytes
 
     def reset_caches(self) -> None:
         self.llm.reset_prefix_cache()
