@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import sys
 from pathlib import Path
 
@@ -26,28 +25,26 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from spmd_grpo.data.synthetic import COLOR_PROBLEM, COLORS  # noqa: E402
+from spmd_grpo.data.synthetic import COLOR_PROBLEM, COLORS, color_task_examples  # noqa: E402
 from spmd_grpo.smoke import SMOKE_MODEL  # noqa: E402
 from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model  # noqa: E402
 
 
-def colour_batch(processor, n: int, rng: random.Random):
-    """`n` prompts of the colour task (jittered colours, the smoke data's rule) and their answers."""
+def colour_batch(processor, n: int, seed: int):
+    """`n` prompts of the colour task (`builtin:color`'s own rows) and their answers."""
+    import io
+
     from PIL import Image
 
-    images, answers = [], []
-    for _ in range(n):
-        answer = rng.choice(sorted(COLORS))
-        rgb = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[answer])
-        images.append(Image.new("RGB", (56, 56), rgb))
-        answers.append(int(answer))
+    rows = color_task_examples(n, seed)
+    images = [Image.open(io.BytesIO(row["images"][0]["bytes"])) for row in rows]
     text = COLOR_PROBLEM.replace("<image>", "")
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
     prompt = processor.apply_chat_template(chat, add_generation_prompt=True)
     inputs = processor(
         text=[prompt] * n, images=images, return_tensors="pt", min_pixels=3136, max_pixels=12544
     )
-    return inputs, answers
+    return inputs, [int(row["answer"]) for row in rows]
 
 
 def digit_tokens(tokenizer) -> dict[int, list[int]]:
@@ -61,7 +58,6 @@ def fit(model_dir: Path, lora: bool, steps: int, lr: float, seed: int = 0) -> tu
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     torch.manual_seed(seed)
-    rng = random.Random(seed)
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     if lora:
@@ -73,7 +69,7 @@ def fit(model_dir: Path, lora: bool, steps: int, lr: float, seed: int = 0) -> tu
     optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     entropy = right = float("nan")
     for step in range(steps + 1):
-        inputs, answers = colour_batch(processor, 32, rng)
+        inputs, answers = colour_batch(processor, 32, seed=1000 * seed + step)
         logp = torch.log_softmax(model(**inputs).logits[:, -1].float(), -1)
         p_right = torch.stack([torch.logsumexp(logp[i, answers_of[a]], 0) for i, a in enumerate(answers)])
         if step == 0:
