@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-fast test-dist test-engine test-gpu smoke-test smoke-test-lora lint fmt clean
+.PHONY: docs install test test-fast test-dist test-engine test-gpu smoke-test smoke-test-lora lint fmt clean
 
 # --compile-bytecode: uv installs no .pyc files, and where PYTHONDONTWRITEBYTECODE is set Python never writes
 # them, so every process (each test session, each torchrun rank) compiled torch, transformers and vLLM from
@@ -51,6 +51,10 @@ smoke-test: install
 smoke-test-lora: install
 	$(PY) -m spmd_grpo.smoke worker.actor.model.lora.rank=16 worker.actor.model.lora.alpha=32 \
 		worker.actor.optim.lr=5e-4 trainer.experiment_name=smoke_lora
+
+# The configuration reference, generated from the config's fields (a unit test fails when it is stale).
+docs: install
+	$(PY) -m spmd_grpo.tools.config_docs > docs/configuration.md
 
 lint: install
 	$(PY) -m ruff check spmd_grpo tests benchmarks

@@ -146,7 +146,7 @@ def _batches(cfg: Config, world: int) -> _Batches:
 def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: float = 80.0) -> str:
     """The plan of `cfg` on nnodes x nproc_per_node devices of device_memory_gb each, as printable lines."""
     world = nnodes * nproc_per_node
-    validate(cfg, world, local_files=False)  # planned for another machine: its files need not be here
+    validate(cfg, world)  # planned for another machine: its files are not checked (run/preflight.py)
     a = cfg.worker.actor
     hf_config, source = model_config(a.model.model_path, trust_remote_code=a.model.trust_remote_code)
     model = _count_parameters(hf_config, a.model.lora)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import sys
 
-from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError, check_hub_reachable
+from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import load_config
-from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import env_world_size, validate
-from spmd_grpo.config.versions import VersionError, check_versions
-from spmd_grpo.models.families import family_of_model_path
 from spmd_grpo.parallel.signals import exit_with_launcher
+from spmd_grpo.run.preflight import preflight
+from spmd_grpo.versions import VersionError, check_versions
 
 DRY_RUN_OPTIONS = ("--nnodes", "--nproc-per-node", "--device-memory-gb")
 
@@ -51,48 +50,6 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], dict[str, int] |
     return path, rest[1:] if path is not None else rest, dry_run
 
 
-def check_reward_imports(cfg: Config) -> None:
-    """Import a `path/file.py:fn` reward now (running the user's module), so that a failing import or a
-    name that is not callable stops the job here rather than after the model and vLLM have loaded."""
-    spec = cfg.worker.reward.reward_function
-    if spec in BUILTIN_REWARDS:
-        return
-    from spmd_grpo.algorithm.reward import load_reward_function
-
-    try:
-        load_reward_function(spec)
-    except ValueError as e:
-        raise ConfigError(f"worker.reward.reward_function: {e}") from None
-
-
-def check_hub(cfg: Config) -> None:
-    """The model and tokenizer hub ids that must be downloaded: the hub must answer (seconds, not minutes)."""
-    model = cfg.worker.actor.model
-    check_hub_reachable("worker.actor.model.model_path", model.model_path)
-    if model.tokenizer_path is not None:
-        check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
-
-
-def check_family(model_path: str) -> None:
-    """A model whose family is not supported stops here, naming the key and the supported families."""
-    try:
-        family_of_model_path(model_path)
-    except ValueError as e:
-        raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
-
-
-def check_lora_targets(cfg: Config) -> None:
-    """LoRA target and exclude modules that leave no layer, or name one the model lacks, stop here."""
-    model = cfg.worker.actor.model
-    if model.lora.enabled:
-        from spmd_grpo.models import build
-
-        try:
-            build.check_lora_targets(model.model_path, model.lora, trust_remote_code=model.trust_remote_code)
-        except ValueError as e:
-            raise ConfigError(f"{e} (model {model.model_path})") from None
-
-
 def main(argv: list[str] | None = None) -> None:
     exit_with_launcher()  # a rank whose torchrun agent is killed must not go on alone
     argv = sys.argv[1:] if argv is None else argv
@@ -106,10 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             print(dry_run(cfg, nnodes, nproc, dry_run_options.get("device_memory_gb", 80)))
             return
         validate(cfg, env_world_size())
-        check_reward_imports(cfg)
-        check_hub(cfg)
-        check_family(cfg.worker.actor.model.model_path)
-        check_lora_targets(cfg)
+        preflight(cfg)
         check_versions()
         from spmd_grpo.run.lock import lock_run_dir, name_holder
         from spmd_grpo.run.start import plan_start

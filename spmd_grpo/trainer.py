@@ -51,6 +51,7 @@ from spmd_grpo.actor.update import update_policy
 from spmd_grpo.algorithm.advantage import compute_batch_std_advantages, compute_grpo_advantages
 from spmd_grpo.algorithm.reward import load_reward_function, overlong_penalty, score_samples
 from spmd_grpo.config.schema import Config
+from spmd_grpo.config.validate import ignored_settings
 from spmd_grpo.data.dataset import load_dataset
 from spmd_grpo.data.prompts import processor_kwargs_for
 from spmd_grpo.data.sampler import PromptSampler
@@ -204,22 +205,8 @@ class Trainer:
                 self.total_steps,
                 self.world.world_size,
             )
-        if (
-            self.cfg.worker.actor.fsdp.offload_optimizer
-            and self.world.device_type == "cpu"
-            and self.world.is_main
-        ):
-            log.warning(
-                "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
-            )
-        if (
-            self.cfg.worker.actor.reuse_image_features
-            and self.cfg.worker.rollout.limit_videos
-            and self.world.is_main
-        ):
-            log.warning(
-                "worker.actor.reuse_image_features ignored with videos: images are encoded in every forward"
-            )
+        for note in ignored_settings(self.cfg, self.world.device_type) if self.world.is_main else ():
+            log.info(note)
         self.loggers = build_loggers(
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )
@@ -312,12 +299,11 @@ class Trainer:
         scores = torch.tensor([s.scores["overall"] for s in samples])
         group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
         kwargs = dict(eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum)
-        if alg.adv_std_scope == "batch":
+        if alg.norm_adv_by_std_in_grpo == "batch":
             advantages, metrics = compute_batch_std_advantages(scores, group_index, num_groups, **kwargs)
         else:
-            norm_by_std = alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo
             advantages, metrics = compute_grpo_advantages(
-                scores, group_index, num_groups, norm_by_std=norm_by_std, **kwargs
+                scores, group_index, num_groups, norm_by_std=alg.norm_adv_by_std_in_grpo, **kwargs
             )
         for s, a in zip(samples, advantages.tolist(), strict=True):
             s.advantage = a
@@ -405,7 +391,7 @@ def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
     setup_logging(cfg.run_dir, world)
     plan = agree_on_start(plan, world)  # rank 0 decides what every rank resumes
     if world.is_main:
-        from spmd_grpo.config.versions import check_versions, version_line
+        from spmd_grpo.versions import check_versions, version_line
 
         log.info("%s; device %s, backend %s, world %d", version_line(), world.device_type, world.backend,
                  world.world_size)  # fmt: skip

@@ -55,7 +55,9 @@ class UpdateSpec:
     @classmethod
     def from_config(cls, cfg: Config, *, world_size: int, pad_token_id: int) -> UpdateSpec:
         a, alg = cfg.worker.actor, cfg.algorithm
-        reuse = a.reuse_image_features and cfg.worker.rollout.limit_videos == 0
+        reuse = (
+            a.reuse_image_features is not False and cfg.worker.rollout.limit_videos == 0
+        )  # auto: validated
         return cls(
             temperature=cfg.worker.rollout.temperature,
             pad_token_id=pad_token_id,
@@ -82,7 +84,8 @@ class UpdateSpec:
             dynamic_batching=a.dynamic_batching,
             max_token_len_for_update=a.max_token_len_per_device_for_update,
             max_token_len_for_experience=a.max_token_len_per_device_for_experience,
-            old_logprobs_from_update=a.old_logprobs_from_update,
+            old_logprobs_from_update=a.old_logprobs_from_update
+            is not False,  # auto and true: where on-policy
             videos=cfg.worker.rollout.limit_videos > 0,
         )
 

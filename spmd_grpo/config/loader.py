@@ -1,29 +1,33 @@
-"""Loading a config: YAML file + dotted command-line overrides -> the frozen `Config` dataclasses.
+"""Loading a config: YAML file + dotted command-line overrides -> the frozen `Config`, validated by pydantic.
 
-Strict where a typo would otherwise be silent: a key repeated in one YAML mapping is refused (file and both
-lines named), and so is a key set twice on the command line; a mapping given to a section on the command line
-(`worker.actor.optim={weight_decay: 0.0}`) merges into it, as Hydra/OmegaConf merge (a non-mapping, `null`
-included, is refused for a section); an unknown key is refused with its full dotted name and the closest valid key, a value of the
-wrong type names the key and the expected type, floats must be finite and within float32, integers within
-a C int (checks.py says why). `to_dict` / `dump_yaml` write the
-resolved config back (next to the run's logs and into every checkpoint).
+What pydantic does not do is here: a key repeated in one YAML mapping is refused (file and both lines
+named; YAML merge keys `<<:` load as `yaml.safe_load` loads them), and so is a key set twice on the command
+line; a mapping given to a section on the command line (`worker.actor.optim={weight_decay: 0.0}`) merges into
+it, as Hydra/OmegaConf merge; `null` for a section is refused on the command line, at any depth of an
+override (it would reset the section's keys to their defaults), and means "the defaults" for an empty
+section in the file; pydantic's errors become one line naming the dotted key, an unknown key with the
+closest valid one. `to_dict` / `dump_yaml` write the resolved config back (next to the run's logs and into
+every checkpoint).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import math
-import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
 
-from spmd_grpo.config.checks import C_INT_MAX, C_INT_MIN, FLOAT32_MAX, ConfigError, OutOfRange
+from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.schema import Config
+
+MOVED = {
+    "algorithm.adv_std_scope": "its `batch` is now algorithm.norm_adv_by_std_in_grpo=batch",
+}
+"""Keys that were removed, with what replaces them."""
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -31,22 +35,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """YAML file (may be None: defaults) plus `a.b.c=value` overrides -> Config. Raises ConfigError."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if path.is_dir():
-            raise ConfigError(f"config file {path} is a directory (give the path of a YAML file)")
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            with path.open(encoding="utf-8") as stream:  # a stream, so that errors name the file
-                raw = yaml.load(stream, Loader=_StrictLoader) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: not UTF-8 text ({_first_bad_byte(path)})") from None
-        except OSError as e:
-            raise ConfigError(f"config file {path} is not readable: {e.strerror}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+        raw = _read_yaml(Path(path))
+        _drop_empty_sections(raw, "")
     given: dict[str, str] = {}  # dotted key -> the override that set it
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -57,12 +47,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             parsed = yaml.load(value, Loader=_StrictLoader) if value.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: value {value!r} is not valid YAML: {_one_line(e)}") from None
-        if parsed is None and dataclasses.is_dataclass(_schema_type(key)):  # would reset it to defaults
-            raise ConfigError(
-                f"override {key}: {key} is a section: give it a mapping ({key}={{key: value}}) or set its keys "
-                f"one by one ({key}.key=value), not null"
-            )
-        for leaf in _leaves(key, parsed):
+        for leaf, leaf_value in _leaves(key, parsed):
+            if leaf_value is None and dataclasses.is_dataclass(section_type(leaf)):
+                raise ConfigError(
+                    f"override {item!r}: {leaf} is a section: give it a mapping ({leaf}={{key: value}}) or set "
+                    f"its keys one by one ({leaf}.key=value), not null (that would reset its keys to the defaults)"
+                )
             if leaf in given:
                 raise ConfigError(
                     f"command line: {leaf} is set twice ({given[leaf]!r}, then {item!r}); a key may be "
@@ -70,7 +60,29 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                 )
             given[leaf] = item
         _set_dotted(raw, key, parsed)
-    return _build(Config, raw, prefix="")
+    try:
+        return TypeAdapter(Config).validate_python(raw)
+    except ValidationError as e:
+        raise ConfigError(_message(e.errors())) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory (give the path of a YAML file)")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with path.open(encoding="utf-8") as stream:  # a stream, so that errors name the file
+            raw = yaml.load(stream, Loader=_StrictLoader) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text ({_first_bad_byte(path)})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} is not readable: {e.strerror}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    return raw
 
 
 def last_wins(overrides: list[str]) -> list[str]:
@@ -83,11 +95,14 @@ def last_wins(overrides: list[str]) -> list[str]:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the last silently)."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the last silently);
+    keys brought in by a merge key (`<<: *base`) may be overridden, as YAML defines."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
@@ -115,26 +130,26 @@ def _one_line(error: yaml.YAMLError) -> str:
     return " ".join(str(error).split())
 
 
-def _schema_type(dotted: str) -> Any:
-    """The schema type at `dotted` (a section's dataclass, a leaf's annotation); None for an unknown key."""
-    tp: Any = Config
-    for part in dotted.split("."):
-        if not dataclasses.is_dataclass(tp):
-            return None
-        tp = _type_hints(tp).get(part)
-    return tp
+def _drop_empty_sections(raw: dict, prefix: str) -> None:
+    """A section left empty in the file (`trainer:` with its keys commented out) means its defaults."""
+    for key, value in list(raw.items()):
+        dotted = f"{prefix}{key}"
+        if value is None and dataclasses.is_dataclass(section_type(dotted)):
+            del raw[key]
+        elif isinstance(value, dict):
+            _drop_empty_sections(value, f"{dotted}.")
 
 
-def _leaves(dotted: str, value: Any) -> list[str]:
-    """The dotted keys an override sets: its own, or those of the mapping it gives a section."""
+def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
+    """The dotted keys an override sets, with their values: its own, or those of the mapping it gives."""
     if not isinstance(value, dict):
-        return [dotted]
+        return [(dotted, value)]
     return [leaf for k, v in value.items() for leaf in _leaves(f"{dotted}.{k}", v)]
 
 
 def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
     """Set `dotted` in `raw`; a mapping merges into the section already there (the keys it does not name
-    keep their YAML or earlier values: replacing the section silently reset them to the defaults)."""
+    keep their YAML or earlier values)."""
     node = raw
     parts = dotted.split(".")
     for part in parts[:-1]:
@@ -153,120 +168,108 @@ def _merge(node: dict, key: Any, value: Any) -> None:
         node[key] = value
 
 
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    """The section's field types, evaluated once (the annotations are strings under `from __future__`)."""
-    return typing.get_type_hints(cls)
+# -------------------------------------------------------------------------------------- the schema's keys
+def _fields(cls: type) -> dict[str, Any]:
+    """A section's field name -> annotation (pydantic's, with `from __future__` strings resolved)."""
+    return {name: info.annotation for name, info in cls.__pydantic_fields__.items()}
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "<top level>"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a section (mapping), got {type(raw).__name__} {raw!r}")
-    hints = _type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in fields:
-            raise ConfigError(f"unknown config key {prefix}{key}{_suggest(prefix, str(key), cls)}")
-    kwargs = {}
-    for name, value in raw.items():
-        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
-    return cls(**kwargs)
+def section_type(dotted: str) -> Any:
+    """The schema type at `dotted` (a section's dataclass, a leaf's annotation); None for an unknown key."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = _fields(tp).get(part)
+    return tp
 
 
-def _suggest(prefix: str, key: str, cls: type) -> str:
-    """Closest valid key: among this section's keys first, then among every dotted key of the schema."""
-    local = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(cls)], n=1, cutoff=0.6)
-    if local:
-        return f"; did you mean {prefix}{local[0]}?"
-    everywhere = difflib.get_close_matches(f"{prefix}{key}", _all_keys(Config), n=1, cutoff=0.6)
-    return f"; did you mean {everywhere[0]}?" if everywhere else ""
-
-
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema, in declaration order."""
     keys = []
-    hints = _type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys += _all_keys(hints[f.name], f"{prefix}{f.name}.")
-        else:
-            keys.append(f"{prefix}{f.name}")
+    for name, tp in _fields(cls).items():
+        keys += all_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
     return keys
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    """Check (and minimally convert: int -> float, list -> tuple) one value against its annotation."""
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, f"{key}.")
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, key)
-            except OutOfRange:  # the right type, a wrong value: say so, not "expected float or null"
-                raise
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: must be one of {', '.join(map(repr, args))}, got {value!r}")
-        return value
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        return tuple(_coerce(args[0], v, key) for v in value)
+# -------------------------------------------------------------------------- pydantic's errors, one line
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _message(errors: list[dict]) -> str:
+    """The first key's error as one line naming the dotted key (a union's alternatives become one line)."""
+    key, leaf = _key(errors[0]["loc"])
+    same = [e for e in errors if _key(e["loc"])[0] == key]
+    err = next(
+        (e for e in same if e["type"] in _BOUNDS or e["type"] in ("value_error", "too_short")), same[0]
+    )
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx", {})
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        if key in MOVED:
+            return f"config key {key} was removed: {MOVED[key]}"
+        return f"unknown config key {key}{_suggest(key)}"
+    if dataclasses.is_dataclass(
+        leaf
+    ):  # a section's own rule (its message starts with the field), or its type
+        if kind == "value_error":
+            return f"{key + '.' if key else ''}{ctx['error']}"
+        return f"{key}: expected a section (mapping), got {type(value).__name__} {value!r}"
+    if kind == "value_error":
+        return f"{key}: {ctx['error']}" + ("" if isinstance(value, list | tuple) else f", got {value!r}")
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        return f"{key} must be {_BOUNDS[kind]} {bound}, got {value!r}"
+    if kind == "too_short" and isinstance(value, list | tuple):
+        return f"{key} must not be empty, got {value!r}"
+    index = next((p for p in err["loc"][key.count(".") + 1 :] if isinstance(p, int)), None)
+    if index is not None:  # an element of a list
+        key, leaf = (
+            f"{key}[{index}]",
+            typing.get_args(
+                typing.get_args(leaf)[0] if typing.get_origin(leaf) is typing.Annotated else leaf
+            )[0],
+        )
+    return f"{key}: expected {describe_type(leaf)}, got {type(value).__name__} {value!r}"
+
+
+def _key(loc: tuple) -> tuple[str, Any]:
+    """pydantic's location -> (dotted key, its schema type); list indices and union tags are dropped."""
+    parts, tp = [], Config
+    for part in loc:
+        if not dataclasses.is_dataclass(tp) or not isinstance(part, str):
+            break
+        parts.append(part)
+        tp = _fields(tp).get(part)
+    return ".".join(parts), tp
+
+
+def describe_type(tp: Any) -> str:
+    """A type as a user reads it: `true or false`, `an integer`, `'a' or 'b'`, `a list`, `null`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return describe_type(args[0])
+    if origin is typing.Literal:
+        return " or ".join(map(repr, args))
+    if args and origin is not tuple:  # a union
+        return " or ".join(describe_type(a) for a in args)
     if origin is tuple:
-        if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(a, v, key) for a, v in zip(args, value, strict=True))
-    if tp is float:
-        number = _as_float(value)
-        if number is not None:
-            if not math.isfinite(number):
-                raise OutOfRange(f"{key}: must be a finite number, got {value!r}")
-            if abs(number) > FLOAT32_MAX:
-                raise OutOfRange(f"{key}: {value!r} is beyond float32 (|x| <= {FLOAT32_MAX:.4g})")
-            return number
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if not C_INT_MIN <= value <= C_INT_MAX:
-                raise OutOfRange(f"{key}: {value} does not fit a C int ({C_INT_MIN}..{C_INT_MAX})")
-            return value
-    elif tp is bool or tp is str:
-        if isinstance(value, tp):
-            return value
-    else:
-        raise AssertionError(f"config schema type {tp} of {key} is not handled")
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return "a list" if len(args) == 2 and args[1] is Ellipsis else f"a list of {len(args)} values"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-def _as_float(value: Any) -> float | None:
-    """A number, or a numeric string (YAML reads 1e-6, without a dot, as a string); None otherwise."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+def _suggest(dotted: str) -> str:
+    """Closest valid key: among this section's keys first, then among every dotted key of the schema."""
+    prefix, _, key = dotted.rpartition(".")
+    section = section_type(prefix) if prefix else Config
+    local = difflib.get_close_matches(key, list(_fields(section)), n=1, cutoff=0.6) if section else []
+    if local:
+        return f"; did you mean {prefix + '.' if prefix else ''}{local[0]}?"
+    everywhere = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6)
+    return f"; did you mean {everywhere[0]}?" if everywhere else ""
 
 
-def _type_name(tp: Any) -> str:
-    args = typing.get_args(tp)
-    if args and typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
-    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
+# -------------------------------------------------------------------------------------------- writing
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 

@@ -1,15 +1,14 @@
-"""`validate(cfg, world_size)`: every section's own value rules, then the rules across sections and the world
-size (batch divisibility, tensor parallelism, DAPO settings, the data set's size), before any process group
-or model exists. Errors are `ConfigError`s naming the dotted key.
+"""`validate(cfg, world_size)`: the rules across sections and the world size (batch divisibility, tensor
+parallelism, DAPO settings), before any process group or model exists; each field's own
+type and range were checked when the config was loaded. Errors are `ConfigError`s naming the dotted key.
+`ignored_settings` is the one place that says which settings have nothing to do on this device.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any
 
-from spmd_grpo.config.checks import BUILTIN_REWARDS, C_INT_MAX, ConfigError, count_rows, require
+from spmd_grpo.config.checks import BUILTIN_REWARDS, C_INT_MAX, require
 from spmd_grpo.config.schema import Config
 
 
@@ -19,33 +18,17 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def validate(cfg: Config, world_size: int, *, local_files: bool = True) -> None:
-    """Check `cfg` for `world_size` ranks; raise ConfigError on the first violation.
-
-    Order: the world size itself, each section's own rules (its `check`, sections in declaration order),
-    then the rules relating several sections or the world size. With `local_files` (everything but a
-    `--dry-run`, which plans a job for another machine) also what must exist here: each section's
-    `check_files` (model, data, prompt template, reward file, resume directory) and the training set's size
-    against the batch.
-    """
+def validate(cfg: Config, world_size: int) -> None:
+    """Check `cfg` for `world_size` ranks; raise ConfigError on the first violation. What must exist on
+    this machine is `spmd_grpo.run.preflight` (a `--dry-run` plans for another one and skips it)."""
     require(world_size >= 1, f"world size must be >= 1, got {world_size}")
-    _check_sections(cfg, "", "check")
+    require(
+        cfg.worker.actor.model.model_path != "",
+        "worker.actor.model.model_path must be set (a local directory or HF id)",
+    )
     _check_batch_split(cfg, world_size)
     _check_dapo(cfg)
     _check_across_sections(cfg)
-    if local_files:
-        _check_sections(cfg, "", "check_files")
-        _check_data_size(cfg)
-
-
-def _check_sections(section: Any, prefix: str, method: str) -> None:
-    """`section.<method>(prefix)` where the section has one, then the same for its subsections, depth first."""
-    if hasattr(section, method):
-        getattr(section, method)(prefix)
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_sections(value, f"{prefix}{f.name}.", method)
 
 
 BUILTIN_REWARD_KEYS = ("overall", "accuracy", "format")
@@ -68,6 +51,18 @@ def _check_across_sections(cfg: Config) -> None:
         "worker.rollout.lora_sync=adapter cannot serve an adapter on lm_head "
         "(worker.actor.model.lora.target_modules): vLLM has no LoRA on the output head; use merged",
     )
+    a = cfg.worker.actor
+    require(
+        a.reuse_image_features is not True or cfg.worker.rollout.limit_videos == 0,
+        "worker.actor.reuse_image_features=true needs worker.rollout.limit_videos=0 (transformers takes "
+        "precomputed features for all modalities of a forward or none); auto turns it on where it applies",
+    )
+    require(
+        a.old_logprobs_from_update is not True or on_policy(cfg, 1),
+        "worker.actor.old_logprobs_from_update=true needs an exactly on-policy step: one mini-batch "
+        "(worker.actor.global_batch_size = data.rollout_batch_size * worker.rollout.n), ppo_epochs 1 and no "
+        "algorithm.rollout_correction.rollout_rs; auto takes them from the update where that holds",
+    )
     fg = cfg.algorithm.filter_groups
     require(
         not fg.enable
@@ -75,21 +70,6 @@ def _check_across_sections(cfg: Config) -> None:
         or fg.metric in BUILTIN_REWARD_KEYS,
         f"algorithm.filter_groups.metric must be one of {', '.join(BUILTIN_REWARD_KEYS)} with the built-in "
         f"reward {cfg.worker.reward.reward_function!r}, got {fg.metric!r}",
-    )
-
-
-def _check_data_size(cfg: Config) -> None:
-    """The training set (counted from parquet footers, or the builtin size) holds one rollout batch; a hub
-    data set is counted when it loads."""
-    d = cfg.data
-    try:
-        rows = count_rows(d.train_files, d.num_builtin_examples)
-    except ConfigError as e:
-        raise ConfigError(f"data.train_files: {e}") from None
-    require(
-        rows is None or rows >= d.rollout_batch_size,
-        f"data.rollout_batch_size ({d.rollout_batch_size}) must be <= the rows of data.train_files "
-        f"({rows} in {d.train_files})",
     )
 
 
@@ -144,3 +124,26 @@ def _check_dapo(cfg: Config) -> None:
         not ob.enable or 0 < ob.length <= d.max_response_length,
         f"algorithm.overlong_buffer.length ({ob.length}) must be in (0, data.max_response_length={d.max_response_length}]",
     )
+
+
+def on_policy(cfg: Config, world_size: int) -> bool:
+    """One mini-batch, one epoch, no rejection: the update's first forward is the old policy's."""
+    a = cfg.worker.actor
+    num_samples = cfg.num_train_groups * cfg.worker.rollout.n
+    return (
+        a.global_batch_size == num_samples
+        and a.ppo_epochs == 1
+        and cfg.algorithm.rollout_correction.rollout_rs is None
+    )
+
+
+def ignored_settings(cfg: Config, device_type: str) -> list[str]:
+    """ "<key> ignored: <why>" for each setting that has nothing to do on `device_type` (logged once)."""
+    notes = []
+    if device_type == "cpu" and cfg.worker.actor.fsdp.offload_optimizer:
+        notes.append(
+            "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
+        )
+    if device_type == "cpu" and cfg.worker.rollout.enable_sleep_mode:
+        notes.append("worker.rollout.enable_sleep_mode ignored: vLLM has no sleep mode on CPU")
+    return notes

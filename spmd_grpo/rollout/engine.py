@@ -117,8 +117,6 @@ class RolloutEngine:
         self.tie_word_embeddings = tie_word_embeddings
         self.tp = cfg.tensor_parallel_size
         self.sleep_enabled = cfg.enable_sleep_mode and world.device_type != "cpu"
-        if cfg.enable_sleep_mode and world.device_type == "cpu" and world.is_main:
-            log.info("worker.rollout.enable_sleep_mode ignored: vLLM has no sleep mode on CPU")
         if world.device_type == "cpu":
             # vLLM's CPU backend sizes its KV cache from this variable instead of a memory fraction.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_memory_gb))))

@@ -6,6 +6,7 @@
     manifest.py    size and CRC-32 of every checkpoint file, written at save and verified before a resume
     lineage.py     a resume from an earlier checkpoint sets the later ones (an abandoned branch) aside
     lock.py        one job per run directory: an exclusive lock rank 0 holds for the job's life
+    preflight.py   what the config points to exists here (model, data, reward file, family, LoRA targets)
     export.py      `python -m spmd_grpo.export CKPT OUT`: a checkpoint as a Hugging Face model directory
     export_lora.py the same for a LoRA checkpoint: a PEFT adapter directory, optionally the merged model
 
@@ -17,6 +18,7 @@ from spmd_grpo import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
+        "preflight": ("preflight",),
         "checkpoint": (
             "save_checkpoint",
             "load_checkpoint",

@@ -42,7 +42,7 @@ are not compared). Each difference is either
         `worker.rollout.n`, `worker.actor.global_batch_size`, `ppo_epochs`, `data.max_response_length`,
         DAPO's `filter_groups.enable` / `train_batch_size`;
       - the objective the Adam moments were accumulated for (gradient scale and direction):
-        `algorithm.adv_estimator`, `norm_adv_by_std_in_grpo`, `adv_std_scope`, `worker.actor.loss_mode`,
+        `algorithm.adv_estimator`, `norm_adv_by_std_in_grpo`, `worker.actor.loss_mode`,
         `loss_agg_mode`.
     An allowed change to a data-position key drops the saved data position (sampling starts over at the
     first batch of the new data; one warning): the old position would point into other examples.
@@ -111,7 +111,6 @@ MEANING_CHANGING: dict[str, str] = {
         [
             "algorithm.adv_estimator",
             "algorithm.norm_adv_by_std_in_grpo",
-            "algorithm.adv_std_scope",
             "worker.actor.loss_mode",
             "worker.actor.loss_agg_mode",
         ],

@@ -78,8 +78,8 @@ def test_logger_list_parses_and_round_trips(tmp_path):
         ("trainer.logger=wandb", "trainer.logger: expected a list, got str 'wandb'"),
         (
             "trainer.logger=[console,wandbb]",
-            "trainer.logger: must be one of 'console', 'jsonl', 'tensorboard', 'wandb', 'swanlab', 'mlflow', "
-            "got 'wandbb'",
+            "trainer.logger[1]: expected 'console' or 'jsonl' or 'tensorboard' or 'wandb' or 'swanlab' or "
+            "'mlflow', got str 'wandbb'",
         ),
     ],
 )
@@ -90,7 +90,7 @@ def test_logger_bad_values(override, message):
 
 
 def test_logger_twice():
-    with pytest.raises(ConfigError, match=r"trainer.logger lists a logger twice"):
+    with pytest.raises(ConfigError, match=r"trainer.logger: lists a logger twice"):
         validate(load_config(None, [*BASE, "trainer.logger=[console,console]"]), 1)
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from spmd_grpo.config.versions import (
+from spmd_grpo.versions import (
     SUPPORTED,
     VersionError,
     check_versions,
@@ -71,7 +71,7 @@ def test_cli_stops_before_any_work(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "version error: vllm 0.11.0 is outside the tested range >=0.32,<0.33 "
-        "(see spmd_grpo/config/versions.py; SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1 to try anyway)"
+        "(see spmd_grpo/versions.py; SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1 to try anyway)"
     ]
 
 

@@ -64,7 +64,7 @@ def check_versions(found: dict[str, str | None] | None = None) -> list[str]:
         problems.append(f"vllm-ascend {ascend} does not match vllm {vllm} (same major.minor needed)")
     if problems and os.environ.get("SPMD_GRPO_ALLOW_UNTESTED_VERSIONS") != "1":
         raise VersionError(
-            f"{problems[0]} (see spmd_grpo/config/versions.py; SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1 to try anyway)"
+            f"{problems[0]} (see spmd_grpo/versions.py; SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1 to try anyway)"
         )
     return problems
 

@@ -1,0 +1,244 @@
+"""Preflight: what the config points to must exist on this machine, checked before any process group,
+model or engine (`spmd_grpo.train` runs it after `validate`; a `--dry-run` plans for another machine and
+skips it). The model and tokenizer (a local checkpoint directory or a hub id, the hub reachable when the id
+must be downloaded), the model's family and LoRA targets (from its config.json on the meta device), the data
+sources and the training set's size against the rollout batch, the prompt template, the reward file (read,
+then imported), the resume directory. Each failure is a `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+from spmd_grpo.config.checks import BUILTIN_REWARDS, HUB_ID, ConfigError, require
+from spmd_grpo.config.schema import Config
+
+
+def preflight(cfg: Config) -> None:
+    """Every check of this module, cheapest first; raises ConfigError on the first failure."""
+    d, model, t = cfg.data, cfg.worker.actor.model, cfg.trainer
+    check_data_source("data.train_files", d.train_files)
+    if d.val_files is not None:
+        check_data_source("data.val_files", d.val_files)
+    require(
+        d.format_prompt is None or Path(d.format_prompt).expanduser().is_file(),
+        f"data.format_prompt must be an existing jinja file, got {d.format_prompt!r}: no such file",
+    )
+    check_model_path("worker.actor.model.model_path", model.model_path)
+    if model.tokenizer_path is not None:
+        check_model_path("worker.actor.model.tokenizer_path", model.tokenizer_path)
+    source = "tokenizer_path" if model.tokenizer_path is not None else "model_path"
+    check_tokenizer_dir(f"worker.actor.model.{source}", getattr(model, source))
+    reward = cfg.worker.reward.reward_function
+    if reward not in BUILTIN_REWARDS:
+        check_reward_file("worker.reward.reward_function", reward)
+    require(
+        t.resume in ("auto", "none") or Path(t.resume).expanduser().is_dir(),
+        "trainer.resume must be auto, none or an existing checkpoint directory (global_step_N), "
+        f"got {t.resume!r}: no such directory",
+    )
+    check_data_size(cfg)
+    check_reward_imports(cfg)
+    check_hub_reachable("worker.actor.model.model_path", model.model_path)
+    if model.tokenizer_path is not None:
+        check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
+    check_family(model.model_path)
+    check_lora_targets(cfg)
+
+
+def check_data_size(cfg: Config) -> None:
+    """The training set (counted from parquet footers, or the builtin size) holds one rollout batch; a hub
+    data set is counted when it loads."""
+    d = cfg.data
+    try:
+        rows = count_rows(d.train_files, d.num_builtin_examples)
+    except ConfigError as e:
+        raise ConfigError(f"data.train_files: {e}") from None
+    require(
+        rows is None or rows >= d.rollout_batch_size,
+        f"data.rollout_batch_size ({d.rollout_batch_size}) must be <= the rows of data.train_files "
+        f"({rows} in {d.train_files})",
+    )
+
+
+def check_reward_imports(cfg: Config) -> None:
+    """Import a `path/file.py:fn` reward now (running the user's module), so that a failing import or a
+    name that is not callable stops the job here rather than after the model and vLLM have loaded."""
+    spec = cfg.worker.reward.reward_function
+    if spec in BUILTIN_REWARDS:
+        return
+    from spmd_grpo.algorithm.reward import load_reward_function
+
+    try:
+        load_reward_function(spec)
+    except ValueError as e:
+        raise ConfigError(f"worker.reward.reward_function: {e}") from None
+
+
+def check_family(model_path: str) -> None:
+    """A model whose family is not supported stops here, naming the key and the supported families."""
+    from spmd_grpo.models.families import family_of_model_path
+
+    try:
+        family_of_model_path(model_path)
+    except ValueError as e:
+        raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
+
+
+def check_lora_targets(cfg: Config) -> None:
+    """LoRA target and exclude modules that leave no layer, or name one the model lacks, stop here."""
+    model = cfg.worker.actor.model
+    if model.lora.enabled:
+        from spmd_grpo.models import build
+
+        try:
+            build.check_lora_targets(model.model_path, model.lora, trust_remote_code=model.trust_remote_code)
+        except ValueError as e:
+            raise ConfigError(f"{e} (model {model.model_path})") from None
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    """`owner/name[@split]` that cannot be a local path: no leading `/`, `.` or `~`, and `owner` is not a
+    directory here (`models/qwen` with a `models/` directory is a missing local path, not a hub id)."""
+    if not HUB_ID.match(value) or value[0] in "/.~":
+        return False
+    return not Path(value.split("/")[0]).is_dir()
+
+
+def _hub_cache_has(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds a snapshot of model `repo_id` with its config.json."""
+    home = os.environ.get("HF_HOME", str(Path("~/.cache/huggingface").expanduser()))
+    cache = Path(os.environ.get("HF_HUB_CACHE", os.path.join(home, "hub")))
+    return any((cache / f"models--{repo_id.replace('/', '--')}" / "snapshots").glob("*/config.json"))
+
+
+def check_model_path(key: str, value: str) -> None:
+    """A local checkpoint directory with config.json, or a hub id. Hub ids are downloaded at start-up, so
+    they are accepted as they are, except offline (`HF_HUB_OFFLINE=1`), where the cache must hold them."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        require(
+            (path / "config.json").is_file(),
+            f"{key}: {value!r} has no config.json (expected a Hugging Face checkpoint directory)",
+        )
+        return
+    require(
+        _looks_like_hub_id(value),
+        f"{key} must be an existing checkpoint directory or a hub id owner/name, got {value!r}: "
+        f"{'not a directory' if path.exists() else 'no such directory'}",
+    )
+    require(
+        not _hub_offline() or _hub_cache_has(value),
+        f"{key}: {value!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
+    )
+
+
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+"""What a local processor directory must hold, one group at least: a fast tokenizer's file, or the BPE files
+transformers builds the Qwen tokenizer from. Without them it fails after the config checks, on every rank,
+with advice about sentencepiece that names no file."""
+
+
+def check_hub_reachable(key: str, value: str, timeout_s: float = 5.0) -> None:
+    """A hub id missing from the local cache is downloaded at start-up, and without network huggingface_hub
+    retried for 2.5 minutes before failing. So first one TCP connection to the hub (`HF_ENDPOINT`, or the
+    HTTPS proxy that reaches it) within `timeout_s`; refused or timed out is a ConfigError naming the key.
+    Local paths, cached ids and `HF_HUB_OFFLINE=1` (checked by `check_model_path`) need no network."""
+    if not _looks_like_hub_id(value) or _hub_offline() or _hub_cache_has(value):
+        return
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urllib.parse.urlsplit(endpoint)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
+        url = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(
+            f"{key}: {value!r} is not in the local Hugging Face cache and the hub is unreachable "
+            f"({url.hostname}:{port}: {e.strerror or type(e).__name__}): download it where the hub is reachable "
+            "(huggingface-cli download), or give a local directory"
+        ) from None
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+
+
+def check_tokenizer_dir(key: str, value: str) -> None:
+    """A local directory the processor is read from holds tokenizer files (a hub id is left to the hub)."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        return
+    require(
+        any(all((path / name).is_file() for name in group) for group in TOKENIZER_FILES),
+        f"{key}: {value!r} holds no tokenizer files (tokenizer.json, or vocab.json and merges.txt)",
+    )
+
+
+def check_data_source(key: str, source: str) -> None:
+    """A parquet file, a directory holding *.parquet, `builtin:<task>` (checked by the section), a hub id."""
+    if source.startswith("builtin:"):
+        return
+    path = Path(source).expanduser()
+    if path.is_file():
+        return
+    if path.is_dir():
+        require(any(path.glob("*.parquet")), f"{key}: directory {source!r} holds no *.parquet file")
+        return
+    require(
+        _looks_like_hub_id(source),
+        f"{key} must be a parquet file or directory, builtin:<task> or a hub id owner/name[@split], "
+        f"got {source!r}: no such file or directory",
+    )
+
+
+def count_rows(source: str, num_builtin_examples: int) -> int | None:
+    """Rows of a data source before any is read (parquet footers only); None for a hub data set."""
+    if source.startswith("builtin:"):
+        return num_builtin_examples
+    path = Path(source).expanduser()
+    if not (path.is_file() or path.is_dir()):
+        return None
+    import pyarrow.parquet as pq
+
+    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    rows, unreadable = 0, []
+    for file in files:
+        try:
+            rows += pq.read_metadata(file).num_rows
+        except Exception as e:  # pyarrow raises several types for a file that is not parquet
+            unreadable.append(f"{file} is not a readable parquet file: {type(e).__name__}: {e}")
+    # A bad file among good ones in a directory is skipped by the loader (named in its log), not fatal here.
+    if unreadable and (path.is_file() or len(unreadable) == len(files)):
+        raise ConfigError(unreadable[0])
+    return rows
+
+
+def check_reward_file(key: str, spec: str) -> None:
+    """`path/file.py:fn`: the file exists, parses, and defines or imports `fn` at its top level (read, not
+    run: importing it runs the user's code, which `spmd_grpo.train` does next, before any process group)."""
+    path_str, _, fn = spec.rpartition(":")
+    path = Path(path_str).expanduser()
+    require(path.is_file(), f"{key}: {spec!r}: file {path_str!r} does not exist")
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as e:
+        raise ConfigError(f"{key}: {spec!r}: {path_str} line {e.lineno}: {e.msg}") from None
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    require(fn in names, f"{key}: {spec!r}: {path_str} defines no function {fn!r}")
