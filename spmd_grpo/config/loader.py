@@ -200,35 +200,34 @@ def _message(errors: list[dict]) -> str:
     """The first key's error as one line naming the dotted key (a union's alternatives become one line)."""
     key, leaf = _key(errors[0]["loc"])
     same = [e for e in errors if _key(e["loc"])[0] == key]
-    err = next(
-        (e for e in same if e["type"] in _BOUNDS or e["type"] in ("value_error", "too_short")), same[0]
+    err = next((e for e in same if e["type"] in (*_BOUNDS, "value_error", "too_short")), same[0])
+    kind, value, ctx, index = (
+        err["type"],
+        err.get("input"),
+        err.get("ctx", {}),
+        err["loc"][key.count(".") + 1 :],
     )
-    kind, value, ctx = err["type"], err.get("input"), err.get("ctx", {})
+    got = "" if isinstance(value, list | tuple) and kind == "value_error" else f", got {value!r}"
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-        if key in MOVED:
-            return f"config key {key} was removed: {MOVED[key]}"
-        return f"unknown config key {key}{_suggest(key)}"
-    if dataclasses.is_dataclass(
-        leaf
-    ):  # a section's own rule (its message starts with the field), or its type
-        if kind == "value_error":
-            return f"{key + '.' if key else ''}{ctx['error']}"
+        return (
+            f"config key {key} was removed: {MOVED[key]}"
+            if key in MOVED
+            else f"unknown config key {key}{_suggest(key)}"
+        )
+    if (
+        dataclasses.is_dataclass(leaf) and kind == "value_error"
+    ):  # a section's rule: its message names the field
+        return f"{key + '.' if key else ''}{ctx['error']}"
+    if dataclasses.is_dataclass(leaf):
         return f"{key}: expected a section (mapping), got {type(value).__name__} {value!r}"
     if kind == "value_error":
-        return f"{key}: {ctx['error']}" + ("" if isinstance(value, list | tuple) else f", got {value!r}")
+        return f"{key}: {ctx['error']}{got}"
     if kind in _BOUNDS:
-        bound = next(iter(ctx.values()))
-        return f"{key} must be {_BOUNDS[kind]} {bound}, got {value!r}"
-    if kind == "too_short" and isinstance(value, list | tuple):
-        return f"{key} must not be empty, got {value!r}"
-    index = next((p for p in err["loc"][key.count(".") + 1 :] if isinstance(p, int)), None)
-    if index is not None:  # an element of a list
-        key, leaf = (
-            f"{key}[{index}]",
-            typing.get_args(
-                typing.get_args(leaf)[0] if typing.get_origin(leaf) is typing.Annotated else leaf
-            )[0],
-        )
+        return f"{key} must be {_BOUNDS[kind]} {next(iter(ctx.values()))}{got}"
+    if kind == "too_short":
+        return f"{key} must not be empty{got}"
+    if index and isinstance(index[0], int) and kind != "missing":  # a list's element: pydantic's words
+        return f"{key}[{index[0]}]: {err['msg'][0].lower()}{err['msg'][1:]}{got}"
     return f"{key}: expected {describe_type(leaf)}, got {type(value).__name__} {value!r}"
 
 

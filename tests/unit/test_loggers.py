@@ -78,8 +78,8 @@ def test_logger_list_parses_and_round_trips(tmp_path):
         ("trainer.logger=wandb", "trainer.logger: expected a list, got str 'wandb'"),
         (
             "trainer.logger=[console,wandbb]",
-            "trainer.logger[1]: expected 'console' or 'jsonl' or 'tensorboard' or 'wandb' or 'swanlab' or "
-            "'mlflow', got str 'wandbb'",
+            "trainer.logger[1]: input should be 'console', 'jsonl', 'tensorboard', 'wandb', 'swanlab' or "
+            "'mlflow', got 'wandbb'",
         ),
     ],
 )
