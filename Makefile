@@ -57,13 +57,13 @@ docs: install
 	$(PY) -m spmd_grpo.tools.config_docs > docs/configuration.md
 
 lint: install
-	$(PY) -m ruff check spmd_grpo tests benchmarks
-	$(PY) -m ruff format --check spmd_grpo tests benchmarks
+	$(PY) -m ruff check spmd_grpo tests benchmarks examples
+	$(PY) -m ruff format --check spmd_grpo tests benchmarks examples
 	$(VENV)/bin/shellcheck launch/*.sh launch/slurm/*.sbatch
 
 fmt: install
-	$(PY) -m ruff format spmd_grpo tests benchmarks
-	$(PY) -m ruff check --fix spmd_grpo tests benchmarks
+	$(PY) -m ruff format spmd_grpo tests benchmarks examples
+	$(PY) -m ruff check --fix spmd_grpo tests benchmarks examples
 
 clean:
 	rm -rf .cache runs .pytest_cache

@@ -269,6 +269,18 @@ def test_the_base_config_reaches_the_trainer(cli, files):
         train.main(
             [str(files / "base.yaml"), f"worker.reward.reward_function={files / 'reward.py'}:my_reward"]
         )
+    example = Path(__file__).resolve().parents[2] / "examples" / "reward_length_penalty.py"
+    with pytest.raises(
+        ReachedTrainer
+    ):  # the README's reward example, with DAPO filtering on a key of its own
+        train.main(
+            [
+                str(files / "base.yaml"),
+                f"worker.reward.reward_function={example}:reward",
+                "algorithm.filter_groups.enable=true",
+                "algorithm.filter_groups.metric=accuracy",
+            ]
+        )
     with pytest.raises(ReachedTrainer):  # LoRA targets the model has
         train.main(
             [str(files / "base.yaml"), f"{A}model.lora.rank=8", f"{A}model.lora.target_modules=[q_proj]"]

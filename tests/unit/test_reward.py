@@ -1,4 +1,7 @@
-"""Math reward, user reward files, validation of reward outputs, DAPO overlong penalty."""
+"""Math reward, user reward files (the README's example included), validation of reward outputs, DAPO
+overlong penalty."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +94,20 @@ def test_load_builtin_and_user_file(tmp_path):
         with pytest.raises(ValueError, match=message) as info:
             load_reward_function(bad_spec)
         assert repr(bad_spec) in str(info.value)
+
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "reward_length_penalty.py"
+
+
+def test_the_readme_reward_example_is_the_shipped_file_and_scores_as_it_says():
+    assert EXAMPLE.read_text() in (REPO / "README.md").read_text()  # shown whole, as it ships
+    fn = load_reward_function(f"{EXAMPLE}:reward")
+    right = sample("so x = 4.", ground_truth="4", uid=0, sample_index=0, data_source="geo3k")
+    scores = score_samples(fn, [right, sample("x is 5", ground_truth="4"), sample("", ground_truth="4")])
+    assert scores["overall"].tolist() == pytest.approx([1 - 0.009, -0.006, 0.0])
+    assert scores["accuracy"].tolist() == [1.0, 0.0, 0.0]
+    assert scores["length_cost"].tolist() == pytest.approx([0.009, 0.006, 0.0])
 
 
 def test_user_file_import_error_names_spec(tmp_path):
