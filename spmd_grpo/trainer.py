@@ -1,36 +1,24 @@
 """The GRPO training loop: one `Trainer` per rank, running the same code on every rank (SPMD).
 
-One step of `Trainer.train`, each line one call:
+`Trainer.train` is the step as plain calls: rollout (generate + reward; DAPO repeats it until enough groups
+have spread) -> advantages -> old and reference logprobs -> update -> validation when due -> the ranks agree
+on stopping -> checkpoint when due -> metrics. The step call by call, with the module each call lives in,
+and the design decisions behind it: docs/architecture.md. Each phase's semantics and its deviations from the
+papers and verl are in the docstring of the module that implements it (rollout/engine.py,
+algorithm/reward.py, algorithm/advantage.py, actor/logprob_pass.py, actor/update.py, algorithm/loss.py,
+run/checkpoint.py).
 
-    rollout       engine.rollout_mode(policy, version): offload optimizer -> wake vLLM -> sync the policy's
-                  weights if the engine holds an older version -> generate -> sleep -> restore
-    reward        score every sample (+ DAPO overlong shaping); DAPO dynamic sampling repeats rollout +
-                  reward until enough groups have spread, then rebalances the samples over the ranks
-    advantages    GRPO / Dr.GRPO / batch-std, group statistics from collectives
-    old, ref      trainer-side logprobs of the sampled responses (policy, reference model)
-    update        ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; version += 1
-    validate      when due, inside rollout_mode: the weight sync of the new version happens here, or at the
-                  next step's rollout (it needs the wake sequence, so it is never a separate phase)
-    checkpoint    every save_freq steps, at the end, and when a signal asked to stop (all ranks agree on
-                  that at the step boundary; the run then exits with 128 + signal)
-    log           every logger of trainer.logger (console line, metrics.jsonl, tensorboard, wandb, ...)
-
-Run state that changes as training goes on lives in one `RunState` (step, policy version, stop signal)
-plus the prompt sampler's position; both are what a checkpoint restores.
-
-Semantics (verl's unless noted; formulas in algorithm/advantage.py / algorithm/loss.py):
-  * Each rank owns rollout_batch_size / world prompts and all n samples of each; group statistics use
-    collectives anyway, so they stay right wherever a group's samples live.
-  * Old logprobs are recomputed by the trainer (not taken from vLLM) before the update. With one
-    mini-batch and one epoch they equal the current logprobs, so the ratio is exactly 1 at the update and
-    only the clip-free policy gradient acts (as in verl); then (`worker.actor.old_logprobs_from_update`,
-    as TRL) they are taken detached from the update's own forward and the separate pass is skipped
-    (`timing_s/old_log_prob` ~0).
-  * Loss aggregation uses GLOBAL token/sequence counts of the mini-batch (all ranks, all micro-batches);
-    verl's legacy mean of micro-batch means is not reproduced. FSDP averages gradients over ranks, so the
-    per-rank loss is multiplied by the world size to recover the global sum.
-  * Rollout logprobs from vLLM are used for `rollout/logprob_diff_*` (the mismatch users must see) and, when
-    `algorithm.rollout_correction` is on, for the IS weights / rejection of the update (algorithm/correction.py).
+What this module decides:
+  * `RunState` (step, policy version, stop signal) plus the prompt sampler's position is everything that
+    changes from step to step; both are what a checkpoint restores.
+  * The old logprobs of the PPO ratio are the trainer's recomputation (as verl), not vLLM's: vLLM's serve
+    `rollout/logprob_diff_*` and, with `algorithm.rollout_correction`, its importance weights.
+  * DAPO's overlong penalty is added to the reward's `overall` before the advantages (logged as
+    `reward/overlong_penalty`); `algorithm.norm_adv_by_std_in_grpo` picks the advantage function.
+  * The weight sync is never a phase of its own: it needs vLLM's wake sequence, so the new version is pushed
+    inside the next `rollout_mode`, the validation's or the next step's rollout.
+  * A checkpoint is saved every `trainer.save_freq` steps, after the last step, and at the step boundary
+    where the ranks agreed to stop on SIGTERM/SIGINT; the run then exits with 128 + signal.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The rollout half of the hybrid engine: one in-process vLLM `LLM` per rank, and the weight stream into it.
+Where it sits in the training step: docs/architecture.md.
 
 The engine never reads the checkpoint: it is built with `load_format="dummy"` (small random weights) and
 receives every weight, frozen ones included, from the FSDP2 policy through the sharded weight stream at the
-first `rollout_mode`, also after a resume (the policy then holds the resumed weights). Reading the
-checkpoint a third time per rank (policy, reference, vLLM) would cost each rank a full read of the model
-files at start-up: for Qwen2.5-VL-32B, 67 GB of bf16 safetensors x 8 ranks per node through one node's disk
-and page cache, for weights that are overwritten at the first push anyway.
+first `rollout_mode`, also after a resume. A third read of the model files per rank (policy, reference,
+vLLM) would be overwritten at the first push anyway (for Qwen2.5-VL-32B: 67 GB x 8 ranks per node).
 
 Every rank builds `LLM(distributed_executor_backend="external_launcher")` after the trainer's process group
 exists; consecutive ranks form a tensor-parallel group (`worker.rollout.tensor_parallel_size`) and use the
