@@ -34,7 +34,7 @@ Memory at load, Qwen2.5-VL-32B (33.45B parameters: 133.8 GB in fp32, 66.9 GB in 
     instead of 33.2 GB per model per rank.
   Measured on CPU (benchmarks/load_memory.py, 211M parameters, fsdp.param_dtype=bfloat16): the peak RSS
   of building policy + reference is 1.54 x the fp32 model at world 1 and 0.78 x at world 2, where the
-  shards alone are 1.50 x and 0.75 x (benchmarks/README.md).
+  shards alone are 1.50 x and 0.75 x (docs/benchmarks.md).
 
 CPU offload (`worker.actor.fsdp.offload_params`, `worker.ref.offload_params`): the shards are materialised
 on the host (FSDP2 requires it) and the buffers on the compute device; pinned host memory on accelerators,

