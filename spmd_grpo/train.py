@@ -5,7 +5,7 @@ torchrun's environment BEFORE any process group or model exists (values, paths t
 set's size, a model whose family is not supported; a user reward file is imported) and decides what the
 start does with the run directory (new run or resume, and the config's changes since the saved one:
 run/start.py); a problem in either prints one line on stderr and exits with code 2. Then it prints the
-`--dry-run` plan or starts the loop (`trainer.run`; the step is described in trainer.py).
+`--dry-run` plan or starts the loop (`trainer.run`; the step: docs/architecture.md).
 """
 
 from __future__ import annotations
