@@ -17,8 +17,8 @@ What this module decides:
     `reward/overlong_penalty`); `algorithm.norm_adv_by_std_in_grpo` picks the advantage function.
   * The weight sync is never a phase of its own: it needs vLLM's wake sequence, so the new version is pushed
     inside the next `rollout_mode`, the validation's or the next step's rollout.
-  * A checkpoint is saved every `trainer.save_freq` steps, after the last step, and at the step boundary
-    where the ranks agreed to stop on SIGTERM/SIGINT; the run then exits with 128 + signal.
+  * A checkpoint is saved every `trainer.save_freq` steps and after the last (when save_freq > 0), and at the
+    step boundary where the ranks agreed to stop on SIGTERM/SIGINT; the run then exits with 128 + signal.
 """
 
 from __future__ import annotations
