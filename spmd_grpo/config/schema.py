@@ -14,7 +14,6 @@ under ``algorithm.filter_groups`` and ``algorithm.overlong_buffer`` (verl: ``alg
 from __future__ import annotations
 
 import importlib.util
-import sys
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -215,13 +214,19 @@ LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "s
 """The optional loggers: the module each needs; the package extra that installs it has the logger's name."""
 
 
+def _installed(module: str) -> bool:
+    try:  # find_spec only looks the package up: nothing heavy is imported at config time
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported already, with no spec (a module object put in sys.modules)
+        return True
+
+
 def _loggers_installed(loggers: tuple[str, ...]) -> tuple[str, ...]:
     require(len(set(loggers)) == len(loggers), "lists a logger twice")
     for name in loggers:
         module = LOGGER_PACKAGES.get(name)
-        # find_spec only looks the package up: nothing heavy is imported at config time.
         require(
-            module is None or module in sys.modules or importlib.util.find_spec(module) is not None,
+            module is None or _installed(module),
             f"{name!r} needs the {module} package: pip install 'spmd_grpo[{name}]'",
         )
     return loggers
