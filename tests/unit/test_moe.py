@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
+from spmd_grpo.actor.micro_batches import collate_for
 from spmd_grpo.models.moe import experts as experts_module
 from spmd_grpo.models.moe.install import install_moe, moe_blocks
 
@@ -119,3 +120,122 @@ def test_grouped_experts_equal_eager(family, backend):
 def test_grouped_mm_path_is_taken_on_this_cpu():
     """The exactness test above covers the kernel the CPU actually runs (not only the fallback)."""
     assert experts_module._grouped_mm_runs("cpu", torch.float32)
+
+
+# ------------------------------------------------------------------------------------------- routing replay
+@pytest.fixture
+def near_tie_policy(monkeypatch):
+    """A tiny Qwen3-VL-MoE policy whose routers hold near-identical rows (experts 0,1,2 / 3,4,5 / 6,7 differ
+    by 1e-7 relative): top-2 then chooses between near ties, and rounding decides. Until the families
+    change registers `qwen3_vl_moe`, the test gives it Qwen3-VL's family (the same positions and towers)."""
+    import dataclasses
+
+    from spmd_grpo.models import families
+    from spmd_grpo.models.policy import PolicyModule
+
+    if "qwen3_vl_moe" not in families.FAMILIES:
+        moe_family = dataclasses.replace(families.QWEN3_VL, model_type="qwen3_vl_moe")
+        monkeypatch.setitem(families.FAMILIES, "qwen3_vl_moe", moe_family)
+    hf = tiny_moe_model("qwen3_vl_moe")
+    torch.manual_seed(3)
+    for _, block in moe_blocks(hf):
+        w = block.gate.weight.data
+        for a, b in ((0, 1), (0, 2), (3, 4), (3, 5), (6, 7)):
+            w[b] = w[a] * (1 + 1e-7 * torch.randn_like(w[a]))
+    policy = PolicyModule(hf, [], chunk_size=64)
+    policy.moe = install_moe(hf)
+    return policy
+
+
+def _samples(num: int = 4):
+    from spmd_grpo.data.samples import Prompt, Sample
+
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(0, 300, (n,), generator=g).tolist()  # noqa: E731
+    return [Sample(Prompt(i, []), 0, ids(5 + 3 * i), ids(4 + 2 * i), []) for i in range(num)]
+
+
+def _spec(mode: str, experience_micro_batch: int):
+    from spmd_grpo.actor.spec import UpdateSpec
+
+    return UpdateSpec(
+        temperature=1.0,
+        pad_token_id=0,
+        max_response_length=16,
+        mini_batch_size=4,
+        micro_batch_size=1,
+        experience_micro_batch_size=experience_micro_batch,
+        routing_replay=mode,
+    )
+
+
+def _step_start_log_ratios(policy, samples, spec) -> list[torch.Tensor]:
+    """Old-logprob pass, then the update's forward of each sample (micro-batches of 1, train mode, with
+    gradients): log(pi / pi_old) per response token before any optimizer step."""
+    from spmd_grpo.actor.logprob_pass import compute_logprobs
+
+    old = compute_logprobs(policy, samples, spec)
+    policy.train()
+    ratios = []
+    for s, o in zip(samples, old, strict=True):
+        lp, _ = policy(collate_for(policy, [s], spec, for_update=True), temperature=1.0)
+        ratios.append(lp[0, : len(s.response_ids)].detach() - o)
+    return ratios
+
+
+def _diff_fraction(policy, name: str) -> float:
+    differing, compared = policy.moe.take_metrics()[f"diff/{name}"].tolist()
+    return differing / compared
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_routing_replay_old_removes_expert_flips(near_tie_policy, packed):
+    """Old pass: the 4 samples in one micro-batch; update: one at a time. Rounding differs between the two
+    layouts and flips near-tie experts: without replay the step-start ratio is off by up to 1e-2 in log
+    space; with `old` the update runs the old pass's experts and only rounding is left. The router's own
+    choices still differ (logged as moe/route_diff/update either way)."""
+    near_tie_policy.padding_free = packed
+    samples = _samples()
+    worst = {}
+    for mode in ("none", "old"):
+        for s in samples:
+            s.routes = None
+        ratios = _step_start_log_ratios(near_tie_policy, samples, _spec(mode, experience_micro_batch=4))
+        worst[mode] = max(r.abs().max().item() for r in ratios)
+        assert _diff_fraction(near_tie_policy, "update") > 0.01, mode
+        assert all(s.routes.shape == (len(s.prompt_ids) + len(s.response_ids), 2, 2) for s in samples)
+    assert worst["none"] > 1e-3
+    assert worst["old"] < 1e-5
+
+
+def test_routing_replay_old_makes_the_step_start_ratio_exactly_one(near_tie_policy):
+    """The same micro-batches in both passes: replaying the recorded routes changes nothing."""
+    samples = _samples()
+    ratios = _step_start_log_ratios(near_tie_policy, samples, _spec("old", experience_micro_batch=1))
+    assert all(torch.equal(r, torch.zeros_like(r)) for r in ratios)
+
+
+def test_routing_replay_rollout_uses_the_given_routes(near_tie_policy):
+    """Routes from elsewhere (here: recorded with a perturbed router, standing in for vLLM's; the last token
+    left out, as vLLM may): every trainer pass replays them, so the trainer's own disagreement is logged
+    (route_diff/old > 0) and the step-start ratio is exactly 1; the router still gets gradients."""
+    samples = _samples()
+    blocks = moe_blocks(near_tie_policy.hf)
+    saved = [b.gate.weight.detach().clone() for _, b in blocks]
+    with torch.no_grad():
+        for _, b in blocks:
+            b.gate.weight.mul_(1 + 1e-2 * torch.randn_like(b.gate.weight))
+    _step_start_log_ratios(near_tie_policy, samples, _spec("none", experience_micro_batch=1))
+    with torch.no_grad():
+        for (_, b), w in zip(blocks, saved, strict=True):
+            b.gate.weight.copy_(w)
+    for s in samples:
+        s.routes = s.routes[:-1]  # "vLLM's" routes
+    near_tie_policy.moe.take_metrics()
+    ratios = _step_start_log_ratios(near_tie_policy, samples, _spec("rollout", experience_micro_batch=1))
+    assert all(torch.equal(r, torch.zeros_like(r)) for r in ratios)
+    assert _diff_fraction(near_tie_policy, "old") > 0.01
+    batch = collate_for(near_tie_policy, samples[:1], _spec("rollout", 1), for_update=True)
+    assert batch.replay_routes and (batch.routes[-1] == -1).all()  # the token vLLM did not report
+    near_tie_policy(batch)[0].sum().backward()
+    assert all(b.gate.weight.grad is not None and b.gate.weight.grad.abs().sum() > 0 for _, b in blocks)

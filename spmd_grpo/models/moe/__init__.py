@@ -2,7 +2,8 @@
 
     experts.py  routed experts as grouped GEMMs over tokens sorted by expert (sort -> GEMM -> combine)
     routing.py  the router with routing replay, route recording, load and disagreement counts, aux loss
-    install.py  swap both into every sparse MoE block of a model at build time
+    install.py  swap both into every sparse MoE block of a model at build time; the aux-loss default
+    metrics.py  the step's expert load and route-disagreement metrics, summed over ranks
 
 The names below are imported on first use, so importing one module of the package stays light.
 """
@@ -23,6 +24,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "use_grouped_experts",
         ),
         "routing": ("NO_ROUTE", "Routes", "MoEState", "routed_forward", "routes_used", "use_routing"),
-        "install": ("moe_blocks", "install_moe"),
+        "install": ("moe_blocks", "router_aux_loss_coef", "install_moe"),
+        "metrics": ("PASSES", "moe_metrics"),
     },
 )

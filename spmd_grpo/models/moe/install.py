@@ -34,9 +34,28 @@ def moe_blocks(hf_model: nn.Module) -> list[tuple[int, nn.Module]]:
     return sorted(found, key=lambda pair: pair[0])
 
 
-def install_moe(hf_model: nn.Module, *, aux_loss: bool = False) -> MoEState | None:
+def router_aux_loss_coef(configured: float | None, hf_config) -> float:
+    """`worker.actor.moe.router_aux_loss_coef`, or with None the model's own: its `router_aux_loss_coef`
+    where its `output_router_logits` is true (transformers adds the loss only then), else 0.
+
+    Off by default, as the RL trainers users compare with: verl's FSDP actor's loss is the policy loss
+    with its entropy and KL terms only, and its Megatron path builds Qwen MoE models with
+    `moe_router_load_balancing_type="none"` (mbridge: "default None for RL"); NeMo-RL's Megatron GRPO
+    configs for MoE models set `moe_router_load_balancing_type: none` too (several also freeze the router,
+    `freeze_moe_router: true`, which is not offered here)."""
+    if configured is not None:
+        return configured
+    text = hf_config.get_text_config()
+    return (
+        float(getattr(text, "router_aux_loss_coef", 0.0))
+        if getattr(text, "output_router_logits", False)
+        else 0.0
+    )
+
+
+def install_moe(hf_model: nn.Module, *, aux_loss_coef: float = 0.0) -> MoEState | None:
     """Grouped experts and replay-aware routers in every MoE block; the model's `MoEState` (None: dense).
-    `aux_loss`: the routers accumulate the load-balancing loss terms in forwards with gradients."""
+    `aux_loss_coef` > 0: the routers accumulate the load-balancing loss terms in forwards with gradients."""
     blocks = moe_blocks(hf_model)
     if not blocks:
         return None
@@ -45,7 +64,7 @@ def install_moe(hf_model: nn.Module, *, aux_loss: bool = False) -> MoEState | No
         num_layers=text.num_hidden_layers,
         num_experts=text.num_experts,
         top_k=text.num_experts_per_tok,
-        aux_loss=aux_loss,
+        aux_loss_coef=aux_loss_coef,
     )
     for layer, block in blocks:
         use_grouped_experts(block.experts)

@@ -18,7 +18,7 @@ Every forward also
   * counts, against the given routes, how many of the router's own top-k choices are not among them
     (`moe/route_diff/<pass>`: a decision = one (token, layer, slot));
   * counts tokens per expert per layer (`moe/load_*`) over the valid tokens;
-  * with `aux_loss`, accumulates the Switch-Transformer load-balancing terms (transformers'
+  * with `aux_loss_coef` > 0, accumulates the Switch-Transformer load-balancing terms (transformers'
     `load_balancing_loss_func`: E x sum_e f_e P_e, f_e the fraction of top-k slots given to expert e and
     P_e its mean router probability, over all MoE layers' valid tokens).
 
@@ -57,7 +57,8 @@ class MoEState:
     num_layers: int
     num_experts: int
     top_k: int
-    aux_loss: bool = False
+    aux_loss_coef: float = 0.0
+    """> 0: forwards with gradients accumulate the load-balancing loss terms (`aux_loss_value`)."""
     routes: Routes | None = None
     pass_name: str = "update"
     load: torch.Tensor | None = None  # [Y, E] float64 tokens per expert, on the device
@@ -135,7 +136,7 @@ def routed_forward(router: nn.Module, hidden_states: torch.Tensor):
     else:
         _first_run(router, routes, own)
         chosen = routes_used(routes, layer, own)
-        if state.aux_loss and torch.is_grad_enabled():
+        if state.aux_loss_coef > 0 and torch.is_grad_enabled():
             _aux_terms(state, routes.valid, probs, chosen)
     weights = probs.gather(1, chosen)
     weights = weights / weights.sum(dim=-1, keepdim=True)
