@@ -239,3 +239,59 @@ def test_routing_replay_rollout_uses_the_given_routes(near_tie_policy):
     assert batch.replay_routes and (batch.routes[-1] == -1).all()  # the token vLLM did not report
     near_tie_policy(batch)[0].sum().backward()
     assert all(b.gate.weight.grad is not None and b.gate.weight.grad.abs().sum() > 0 for _, b in blocks)
+
+
+def test_vllm_routes_become_int16_sample_routes():
+    import numpy as np
+
+    from spmd_grpo.rollout.generate import _routes
+
+    routes = _routes(np.array([[[3, 7], [0, 255]]], dtype=np.uint8))  # [tokens, layers, top-k], uint8 as vLLM
+    assert routes.dtype == torch.int16 and routes.tolist() == [[[3, 7], [0, 255]]]
+    assert _routes(None) is None
+
+
+# ------------------------------------------------------------------------------- load metrics and aux loss
+def test_load_and_route_diff_metrics():
+    """Hand-made counts: layer 0 balanced (max/mean 1), layer 1 with one expert holding half the tokens."""
+    from spmd_grpo.models.moe.metrics import moe_metrics
+    from spmd_grpo.models.moe.routing import MoEState
+
+    class Holder:
+        moe = MoEState(num_layers=3, num_experts=4, top_k=2)
+
+    state = Holder.moe
+    state.load = torch.tensor([[2.0, 2, 2, 2], [4, 2, 1, 1], [0, 0, 0, 0]], dtype=torch.float64)
+    state.diff = {"update": torch.tensor([3.0, 12.0], dtype=torch.float64)}
+    twice = lambda t: 2 * t  # noqa: E731  (two ranks with the same counts)
+    m = moe_metrics([Holder(), None], twice)
+    assert m == {
+        "moe/load/max_over_mean": pytest.approx((1 + 2) / 2),
+        "moe/load/max_over_mean_max": pytest.approx(2.0),
+        "moe/route_diff/update": pytest.approx(0.25),
+    }
+    assert moe_metrics([Holder()], twice) == {}  # counts are reset after each step's metrics
+    assert moe_metrics([None], twice) == {}  # a dense model: no metrics, no collective
+
+
+def test_router_aux_loss_equals_transformers(monkeypatch):
+    """The routers' load-balancing terms give transformers' `aux_loss` for the same padded batch."""
+    model = tiny_moe_model("qwen3_vl_moe")
+    state = install_moe(model, aux_loss_coef=0.01)
+    ids, mask = _tokens()
+    state.begin(mask.reshape(-1).bool(), None, replay=False, pass_name="update")
+    out = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+    ours = state.aux_loss_value()
+    assert ours.requires_grad and torch.allclose(ours, out.aux_loss, rtol=1e-6), (ours, out.aux_loss)
+    load = state.take_metrics()["load"]
+    assert load.sum().item() == mask.sum().item() * 2 * 2  # valid tokens x layers x top-k
+
+
+def test_aux_loss_default_follows_the_model_config():
+    from spmd_grpo.models.moe.install import router_aux_loss_coef
+
+    config = tiny_moe_model("qwen3_vl_moe").config
+    assert router_aux_loss_coef(None, config) == 0.0  # output_router_logits is false in the config
+    config.text_config.output_router_logits = True
+    assert router_aux_loss_coef(None, config) == config.text_config.router_aux_loss_coef
+    assert router_aux_loss_coef(0.5, config) == 0.5

@@ -22,11 +22,10 @@ from spmd_grpo.models.moe.routing import MoEState
 PASSES = ("old", "ref", "update")
 
 
-def moe_metrics(
-    states: list[MoEState], all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
-) -> dict[str, float]:
-    """The step's metrics from `states` (the policy's, the reference's), whose counts are then reset.
-    Collective: every rank calls it with models of the same shape (no MoE state: no call, no metrics)."""
+def moe_metrics(models: list, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+    """The step's metrics from the routing counts of `models` (the policy, the reference, or None), which
+    are then reset. Collective where a model is MoE (every rank holds the same models); dense: {}."""
+    states: list[MoEState] = [m.moe for m in models if getattr(m, "moe", None) is not None]
     if not states:
         return {}
     load, diff = None, torch.zeros(len(PASSES), 2, dtype=torch.float64)
