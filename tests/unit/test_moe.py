@@ -295,3 +295,36 @@ def test_aux_loss_default_follows_the_model_config():
     config.text_config.output_router_logits = True
     assert router_aux_loss_coef(None, config) == config.text_config.router_aux_loss_coef
     assert router_aux_loss_coef(0.5, config) == 0.5
+
+
+def test_update_replays_old_routes_and_adds_the_aux_loss(near_tie_policy):
+    """The real update (`update_policy`, one process): with `old` the step-start KL between the update's
+    forward and the old pass (other micro-batches) is rounding only, without replay expert flips show; the
+    aux loss enters the loss and its metric when its coefficient is set."""
+    import dataclasses
+
+    from spmd_grpo.actor.logprob_pass import compute_logprobs
+    from spmd_grpo.actor.optimizer import build_optimizer
+    from spmd_grpo.actor.update import update_policy
+    from spmd_grpo.config.workers import OptimConfig
+    from spmd_grpo.parallel.collectives import World
+
+    world = World(rank=0, world_size=1, local_rank=0, device_type="cpu", backend="gloo")
+    weights = {n: p.detach().clone() for n, p in near_tie_policy.named_parameters()}
+    kl = {}
+    for mode in ("none", "old"):
+        near_tie_policy.load_state_dict(weights, strict=False)
+        near_tie_policy.moe.aux_loss_coef = 0.01 if mode == "old" else 0.0
+        samples = _samples()
+        for s in samples:
+            s.advantage = 1.0
+        spec = dataclasses.replace(_spec(mode, experience_micro_batch=4), micro_batch_size=2)
+        for s, lp in zip(samples, compute_logprobs(near_tie_policy, samples, spec), strict=True):
+            s.old_logprobs = lp
+        optim = build_optimizer(near_tie_policy, OptimConfig(lr=1e-3), total_steps=1)
+        metrics = update_policy(near_tie_policy, optim, samples, spec, world)
+        kl[mode] = abs(metrics["actor/ppo_kl"])
+        assert ("actor/router_aux_loss" in metrics) == (mode == "old"), metrics
+    print(kl)
+    assert kl["none"] > 1e-5 and kl["old"] < 1e-7, kl
+    assert metrics["actor/router_aux_loss"] > 0
