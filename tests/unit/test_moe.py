@@ -17,72 +17,7 @@ import torch
 from spmd_grpo.actor.micro_batches import collate_for
 from spmd_grpo.models.moe import experts as experts_module
 from spmd_grpo.models.moe.install import install_moe, moe_blocks
-
-VISION = dict(
-    depth=1,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=64,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    deepstack_visual_indexes=[],
-)
-TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    moe_intermediate_size=32,
-    num_experts=8,
-    num_experts_per_tok=2,
-    vocab_size=320,
-)
-
-
-def tiny_moe_model(family: str) -> torch.nn.Module:
-    """A random tiny MoE VL model (8 experts, top-2, 2 layers) in fp32, the same for the same family."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    if family == "qwen3_vl_moe":
-        rope = {
-            "rope_type": "default",
-            "rope_theta": 1e4,
-            "mrope_section": [4, 6, 6],
-            "mrope_interleaved": True,
-        }
-        config = tf.Qwen3VLMoeConfig(text_config=dict(TEXT, rope_parameters=rope), vision_config=VISION)
-        model = tf.Qwen3VLMoeForConditionalGeneration(config)
-    else:
-        rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                "partial_rotary_factor": 0.5}  # fmt: skip
-        text = dict(TEXT, rope_parameters=rope, layer_types=["linear_attention", "full_attention"],
-                    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
-                    linear_value_head_dim=32, shared_expert_intermediate_size=32)  # fmt: skip
-        config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=VISION)
-        model = tf.Qwen3_5MoeForConditionalGeneration(config)
-    for _, block in moe_blocks(model):  # HF initialises the router at zero: every token would tie
-        torch.nn.init.normal_(block.gate.weight, std=0.5)
-    return model.float()
-
-
-def _tokens(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, TEXT["vocab_size"], (3, 11), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 7:] = 0
-    return ids, mask
-
-
-def logprobs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token logprobs of the next token, [B, L-1], zero on padding."""
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return lp * mask[:, 1:]
+from tests.jobs.common import logprobs, moe_tokens, tiny_moe_model
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,7 +30,7 @@ def test_grouped_experts_equal_eager(family, backend):
     eager = tiny_moe_model(family)
     ours = copy.deepcopy(eager)
     assert install_moe(ours) is not None and len(moe_blocks(ours)) == 2
-    ids, mask = _tokens()
+    ids, mask = moe_tokens()
     weights = torch.randn(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(2))
     lp_eager = logprobs(eager, ids, mask)
     (lp_eager * weights).sum().backward()
@@ -278,7 +213,7 @@ def test_router_aux_loss_equals_transformers(monkeypatch):
     """The routers' load-balancing terms give transformers' `aux_loss` for the same padded batch."""
     model = tiny_moe_model("qwen3_vl_moe")
     state = install_moe(model, aux_loss_coef=0.01)
-    ids, mask = _tokens()
+    ids, mask = moe_tokens()
     state.begin(mask.reshape(-1).bool(), None, replay=False, pass_name="update")
     out = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
     ours = state.aux_loss_value()
