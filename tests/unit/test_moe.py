@@ -263,3 +263,31 @@ def test_update_replays_old_routes_and_adds_the_aux_loss(near_tie_policy):
     print(kl)
     assert kl["none"] > 1e-5 and kl["old"] < 1e-7, kl
     assert metrics["actor/router_aux_loss"] > 0
+
+
+@pytest.mark.parametrize("mode", ["none", "old"])
+def test_activation_checkpointing_recomputes_the_same_experts(near_tie_policy, mode):
+    """The backward's recomputation of a checkpointed layer uses the experts of its first run (its routes
+    are recorded once per forward), so the gradients equal those without checkpointing, and it is not
+    counted again in the load metrics."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    samples = _samples()
+    spec = _spec(mode, experience_micro_batch=4)
+    _step_start_log_ratios(near_tie_policy, samples, spec)  # the old pass: routes recorded
+    grads = []
+    for wrap in (False, True):
+        model = copy.deepcopy(near_tie_policy)
+        model.moe = install_moe(model.hf)
+        if wrap:
+            layers = model.hf.model.language_model.layers
+            for i, layer in enumerate(layers):
+                layers[i] = checkpoint_wrapper(layer)
+        model.train()
+        model(collate_for(model, samples, spec, for_update=True))[0].sum().backward()
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        assert model.moe.take_metrics()["load"].sum().item() == tokens * 2 * 2  # x layers x top-k
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert set(grads[0]) == {n.replace("._checkpoint_wrapped_module", "") for n in grads[1]}
+    for name, g in grads[1].items():
+        assert _rel(g, grads[0][name.replace("._checkpoint_wrapped_module", "")]) <= 1e-6, name
