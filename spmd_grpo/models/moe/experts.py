@@ -81,15 +81,18 @@ def combine(rows: torch.Tensor, sorted_tokens: SortedTokens) -> torch.Tensor:
 
 @cache
 def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether `F.grouped_mm` exists and runs (forward and backward) on this device type and dtype: tried
-    once on a 2-expert problem, since support depends on the build, the device and its capability."""
+    """Whether `F.grouped_mm` exists and runs on this device type and dtype: tried once on a 2-expert
+    problem, since support depends on the build, the device and its capability. Forward only, without
+    autograd: the first call may come inside an activation-checkpointed layer, whose recomputation must
+    save the same tensors as its first run (and the later calls find the answer cached)."""
     if not hasattr(F, "grouped_mm"):
         return False
     try:
-        x = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
-        offsets = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
-        F.grouped_mm(x, w, offs=offsets).backward(torch.ones(4, 8, device=device_type, dtype=dtype))
+        with torch.no_grad():
+            x = torch.ones(4, 8, device=device_type, dtype=dtype)
+            w = torch.ones(2, 8, 8, device=device_type, dtype=dtype)
+            offsets = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+            F.grouped_mm(x, w, offs=offsets)
         return True
     except (RuntimeError, NotImplementedError):
         return False
