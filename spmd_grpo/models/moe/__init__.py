@@ -4,6 +4,8 @@
     routing.py  the router with routing replay, route recording, load and disagreement counts, aux loss
     install.py  swap both into every sparse MoE block of a model at build time; the aux-loss default
     metrics.py  the step's expert load and route-disagreement metrics, summed over ranks
+    expert_parallel.py  `ExpertParallel`: experts sharded by index, all-to-all dispatch and combine
+                (a ParallelStyle, not yet wired into the trainer)
 
 The names below are imported on first use, so importing one module of the package stays light.
 """
@@ -26,5 +28,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "routing": ("NO_ROUTE", "Routes", "MoEState", "routed_forward", "routes_used", "use_routing"),
         "install": ("moe_blocks", "router_aux_loss_coef", "install_moe"),
         "metrics": ("PASSES", "moe_metrics"),
+        "expert_parallel": ("ExpertParallel", "expert_parallel_forward"),
     },
 )
