@@ -5,7 +5,9 @@
 * sleep / wake: sleep level 2 gives back what vLLM reserved, and after wake + push the engine samples the
   same greedy tokens as before sleeping;
 * weight sync bandwidth: one push of every weight, bytes / seconds, printed;
-* the process group reduces host tensors (over gloo) as well as device tensors (over nccl).
+* the process group reduces host tensors (over gloo) as well as device tensors (over nccl);
+* MoE routing replay from vLLM (`routing_replay=rollout`): vLLM returns every sample's routes and the trainer
+  replays them (needs the tiny `qwen3_vl_moe` checkpoint; skipped where that family is not registered).
 Never run by this project so far (no GPU was available): the thresholds are first estimates.
 """
 
