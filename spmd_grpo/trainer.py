@@ -45,6 +45,7 @@ from spmd_grpo.data.prompts import processor_kwargs_for
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy, build_reference
+from spmd_grpo.models.moe.metrics import moe_metrics
 from spmd_grpo.rollout.dynamic_sampling import collect_groups
 from spmd_grpo.rollout.engine import RolloutEngine
 from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, attach_video_inputs, generate
@@ -163,6 +164,7 @@ class Trainer:
                             s.ref_logprobs = lp
                 with timer("update_actor"):
                     m.update(update_policy(self.policy, self.optim, samples, self.spec, self.world))
+                m.update(moe_metrics([self.policy, self.reference], D.all_reduce_sum))  # {}: dense
                 self.state.version += 1
                 self._log_memory("update")
             if self._validation_due(step):

@@ -4,6 +4,7 @@
     micro_batches.py   micro-batches by count or token budget, padded or packed; the same count on every rank
     gathering.py       when FSDP gathers parameters in a pass: per micro-batch, or once per pass on the CPU
     image_features.py  encode each prompt's images once and reuse the features for all its samples
+    routes.py          MoE routing replay between the passes: the routes each pass compares with or replays
     logprob_pass.py    forward-only logprobs (old policy, reference)
     update.py          PPO mini-batch steps: loss per micro-batch on global counts, clipping, optimizer step
     optimizer.py       AdamW, the LR schedule, gradient clipping
@@ -27,6 +28,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "attach_image_features",
         ),
         "logprob_pass": ("compute_logprobs", "compute_ref_logprobs"),
+        "routes": ("batch_routes", "attach_routes", "keep_recorded"),
         "micro_batches": (
             "collate_samples",
             "uses_packing",

@@ -16,6 +16,7 @@ import math
 import torch
 from torch import nn
 
+from spmd_grpo.actor.routes import attach_routes
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
 from spmd_grpo.models.families import family_of
@@ -54,15 +55,20 @@ def uses_packing(model: nn.Module) -> bool:
 
 
 def collate_for(
-    model: nn.Module, samples: list[Sample], spec: UpdateSpec, *, for_update: bool
+    model: nn.Module, samples: list[Sample], spec: UpdateSpec, *, for_update: bool, route_pass: str = "update"
 ) -> SequenceBatch:
     """`samples` in the layout `model` was built for (packed when its attention has a varlen path), marked
     with whether the pass's forwards run the vision tower (`UpdateSpec.tower_in_forward`) and on video
-    input (`UpdateSpec.videos`: in a run that allows videos, every forward does)."""
+    input (`UpdateSpec.videos`: in a run that allows videos, every forward does); for an MoE model, with
+    the routes `route_pass` (old, ref, update) compares with or replays (actor/routes.py)."""
     device = next(model.parameters()).device
     tower = spec.tower_in_forward(family_of(model.config).reusable_image_features, for_update=for_update)
     flags = {"tower_in_forward": tower, "video_in_forward": spec.videos}
-    return collate_samples(samples, spec.pad_token_id, device, packed=uses_packing(model), **flags)
+    batch = collate_samples(samples, spec.pad_token_id, device, packed=uses_packing(model), **flags)
+    moe = getattr(model, "moe", None)
+    if moe is not None:
+        attach_routes(batch, samples, moe, mode=spec.routing_replay, route_pass=route_pass)
+    return batch
 
 
 def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:

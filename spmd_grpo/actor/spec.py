@@ -47,6 +47,8 @@ class UpdateSpec:
     max_token_len_for_experience: int = 16384
     old_logprobs_from_update: bool = False
     """Take the old logprobs from the update's forward when the step is exactly on-policy."""
+    routing_replay: str = "none"
+    """MoE: which routes the trainer passes replay (none, old, rollout: worker.actor.moe, actor/routes.py)."""
     videos: bool = False
     """The run allows videos (worker.rollout.limit_videos > 0): every forward runs the vision tower on video
     input, a dummy one where its micro-batch has no video. Features are then never reused, images' neither
@@ -87,6 +89,7 @@ class UpdateSpec:
             old_logprobs_from_update=a.old_logprobs_from_update
             is not False,  # auto and true: where on-policy
             videos=cfg.worker.rollout.limit_videos > 0,
+            routing_replay=a.moe.routing_replay,
         )
 
     def tower_in_forward(self, reusable_features: bool, *, for_update: bool) -> bool:
@@ -103,9 +106,11 @@ class UpdateSpec:
 
     def old_logprobs_in_update(self, num_samples: int) -> bool:
         """True when the update takes the old logprobs from its own forward (the step is exactly on-policy:
-        one epoch, one mini-batch holding this rank's `num_samples`, no rejection sampling)."""
+        one epoch, one mini-batch holding this rank's `num_samples`, no rejection sampling), and routing
+        replay `old` does not need the old pass's routes before the reference pass."""
         return (
             self.old_logprobs_from_update
+            and self.routing_replay != "old"
             and self.ppo_epochs == 1
             and self.mini_batch_size >= num_samples
             and self.rollout_correction.rollout_rs is None

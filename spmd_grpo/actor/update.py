@@ -69,6 +69,10 @@ from spmd_grpo.telemetry.metrics import global_means
 log = logging.getLogger(__name__)
 
 
+MINI_BATCH_SHARES = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/router_aux_loss")
+"""Metrics summed as shares of the mini-batch value over micro-batches and ranks (one count per mini-batch)."""
+
+
 def _add(sums: MetricSums, name: str, total: float, count: float) -> None:
     s, c = sums.get(name, (0.0, 0.0))
     sums[name] = (s + total, c + count)
@@ -125,11 +129,13 @@ def _micro_batch_loss(
     *,
     old_from_forward: bool = False,
     padding: bool = False,
+    aux_weight: float = 0.0,
 ) -> torch.Tensor:
     """This micro-batch's share of the global mini-batch loss; adds its metric sums to `sums`.
 
     `old_from_forward`: the old logprobs (and the rollout correction) come from this forward, detached.
     `padding`: a zero-weight micro-batch that only keeps the ranks' forward/backward counts equal.
+    `aux_weight`: this micro-batch's share of the rank's router aux loss (MoE, see `_router_aux_loss`).
     """
     device = next(policy.parameters()).device
     batch = collate_for(policy, samples, spec, for_update=True)
@@ -164,6 +170,7 @@ def _micro_batch_loss(
         kl_agg = aggregate(kl_penalty(logprobs, ref, spec.kl_penalty), mask, spec.loss_agg_mode, **agg)
         loss = loss + spec.kl_coef * kl_agg
         _add(sums, "actor/kl_loss", kl_agg.item(), 0.0)
+    loss = loss + _router_aux_loss(policy, sums, aux_weight)
     # pg_loss etc. are shares of the global mini-batch value: summed over micro-batches and ranks they
     # give it; the caller adds a count of 1 per mini-batch (on rank 0) to average over mini-batches.
     _add(sums, "actor/pg_loss", pg_loss.item(), 0.0)
@@ -171,6 +178,20 @@ def _micro_batch_loss(
     for name, (total, count) in pg_metrics.items():
         _add(sums, f"actor/{name}", float(total), float(count))
     return loss * 0.0 if padding else loss
+
+
+def _router_aux_loss(policy: nn.Module, sums: MetricSums, weight: float) -> torch.Tensor | float:
+    """coef x the routers' load-balancing loss of this forward (an MoE policy with
+    `worker.actor.moe.router_aux_loss_coef` > 0), times `weight`: the micro-batch's tokens over the rank's
+    mini-batch tokens, over the world size, so the gradient is the token-weighted mean of the micro-batch
+    losses averaged over ranks. transformers computes the loss once per forward batch; here a mini-batch
+    of several micro-batches gets the weighted mean of theirs (Megatron also computes it per micro-batch)."""
+    moe = getattr(policy, "moe", None)
+    if moe is None or moe.aux_loss_coef <= 0:
+        return 0.0
+    aux = moe.aux_loss_value()
+    _add(sums, "actor/router_aux_loss", aux.item() * weight, 0.0)
+    return moe.aux_loss_coef * weight * aux
 
 
 def _global_counts(samples: list[Sample], correction: Correction | None, spec: UpdateSpec) -> dict:
@@ -211,6 +232,7 @@ def mini_batch_backward(
     sums: MetricSums = {}
     plan = micro_batches(samples, spec, for_update=True, padded=not uses_packing(policy))
     once = gathers_once_per_pass(policy)
+    tokens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     for k, rows in enumerate(plan):
         if once:
             accumulate_unsharded(policy, first=k == 0, last=k == len(plan) - 1)
@@ -223,6 +245,7 @@ def mini_batch_backward(
             _index_rows(correction, rows),
             old_from_forward=old_from_forward,
             padding=not rows,
+            aux_weight=sum(tokens[i] for i in rows) / sum(tokens) / world.world_size,
         )
         (loss * world.world_size).backward()
     if once:
@@ -261,7 +284,7 @@ def update_policy(
             mini_sums = mini_batch_backward(policy, mini, spec, world, old_from_forward=old_from_forward)
             num_micro_batches += int(mini_sums.pop("train/num_micro_batches")[0])
             for name, (total, count) in mini_sums.items():
-                if name in ("actor/pg_loss", "actor/entropy", "actor/kl_loss") and world.rank == 0:
+                if name in MINI_BATCH_SHARES and world.rank == 0:
                     count += 1.0
                 _add(sums, name, total, count)
             grad_norm, lr = _optimizer_step(policy, optim, spec)

@@ -124,12 +124,31 @@ class FSDPConfig:
 
 
 @dataclass(config=SECTION)
+class MoEConfig:
+    """Mixture-of-experts controls (Qwen3-VL-MoE, Qwen3.5-MoE; ignored, with a warning, for a dense model)."""
+
+    routing_replay: Literal["none", "old", "rollout"] = "none"
+    """Which experts the trainer's passes use. none: each pass routes by its own top-k. old: the reference
+    and the update use the experts chosen in the old-logprob pass (GSPO's routing replay), so the step-start
+    importance ratio compares the same sub-network; the old-logprob pass then always runs separately. rollout:
+    every trainer pass uses the experts vLLM chose (R3, arXiv 2510.11370; vLLM's
+    `enable_return_routed_experts`, CUDA only). The router's probabilities of the used experts stay
+    differentiable and are normalised as the model does. `moe/route_diff/<pass>` logs the fraction of the
+    router's own top-k decisions that differ from the old pass's (or vLLM's) routes either way."""
+    router_aux_loss_coef: NonNegativeFloat | None = None
+    """Weight of the router's load-balancing loss (transformers' Switch-style aux loss) in the update. None:
+    the model config's `router_aux_loss_coef` if its `output_router_logits` is true, else 0 (off: the RL
+    default; the loss, when on, is logged as `actor/router_aux_loss`)."""
+
+
+@dataclass(config=SECTION)
 class ActorConfig:
     """The policy and its update; the reference model (worker.ref) is loaded from the same model_path."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     global_batch_size: Positive = 16
     """Samples (not prompts) per optimizer step, across all ranks."""
     micro_batch_size_per_device_for_update: Positive = 4

@@ -49,6 +49,10 @@ class Sample:
     advantage: float = 0.0
     old_logprobs: torch.Tensor | None = None  # [len(response_ids)] float32, trainer's, before the update
     ref_logprobs: torch.Tensor | None = None  # [len(response_ids)] float32, reference model's
+    routes: torch.Tensor | None = None
+    """MoE models: [tokens, decoder layers, top-k] int16, the experts each token used, for the trainer passes
+    to compare with or replay (worker.actor.moe.routing_replay): vLLM's (`rollout`; it may omit the last
+    token), else the old-logprob pass's. -1 where a layer is dense."""
 
     def reward_input(self) -> dict[str, Any]:
         """What a reward function receives for this sample (see algorithm/reward.py's batch interface)."""

@@ -7,6 +7,7 @@
     attention.py  which attention kernel runs packed sequences, and the CPU variable-length sdpa path
     inputs.py     a micro-batch as the model takes it: padded or packed rows, image inputs, mrope positions
     video_rope.py mrope positions of sequences with videos, by vLLM's rule (transformers 5.19's differs)
+    moe/          mixture-of-experts compute and controls: grouped experts, routing replay, load metrics
     policy.py     `PolicyModule`: logprobs and entropy of the response tokens, chunked over the vocabulary
 
 The names below are imported on first use, so importing one module of the package stays light.

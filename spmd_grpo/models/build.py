@@ -57,6 +57,7 @@ from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, RefCon
 from spmd_grpo.models.attention import varlen_attention
 from spmd_grpo.models.families import family_of
 from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_adapter_name, target_module_names
+from spmd_grpo.models.moe.install import install_moe, router_aux_loss_coef
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from spmd_grpo.models.weights import load_safetensors_into
 from spmd_grpo.parallel.collectives import World, barrier
@@ -233,6 +234,10 @@ def build_sharded(
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
     model = PolicyModule(hf, unsamplable_token_ids(hf.config), cfg.logprob_chunk_size, padding_free=packed)
+    aux_coef = router_aux_loss_coef(cfg.moe.router_aux_loss_coef, hf.config) if training else 0.0
+    model.moe = install_moe(hf, aux_loss_coef=aux_coef)  # grouped experts and replay-aware routers
+    if model.moe is None and (cfg.moe.routing_replay != "none" or cfg.moe.router_aux_loss_coef):
+        log.warning("worker.actor.moe ignored: %s is not a mixture-of-experts model", hf.config.model_type)
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)

@@ -49,6 +49,12 @@ class SequenceBatch:
     """Whether every forward runs the tower on video input (the run allows videos: the config decides, the
     same on every rank): the model encodes images and videos in two tower calls, so a micro-batch without
     a video runs the tower on a dummy video to keep the calls per forward equal across ranks."""
+    routes: torch.Tensor | None = None
+    """MoE models: [B x L or T, decoder layers, top-k] int16, reference routes of every row of the flattened
+    batch (-1: none), which the routers compare with or (`replay_routes`) use instead of their own top-k."""
+    replay_routes: bool = False
+    route_pass: str = "update"
+    """The pass this forward belongs to (old, ref, update): names its `moe/route_diff/<pass>` counts."""
 
     @property
     def packed(self) -> bool:
@@ -56,10 +62,10 @@ class SequenceBatch:
 
     def to(self, device: torch.device) -> SequenceBatch:
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
-        kept = ("image_features", "tower_in_forward", "video_in_forward")
+        kept = ("image_features", "tower_in_forward", "video_in_forward", "replay_routes", "route_pass")
         fields = {f: move(getattr(self, f)) for f in self.__dataclass_fields__ if f not in kept}
         feats = None if self.image_features is None else tuple(f.to(device) for f in self.image_features)
-        flags = {"tower_in_forward": self.tower_in_forward, "video_in_forward": self.video_in_forward}
+        flags = {f: getattr(self, f) for f in kept[1:]}
         return SequenceBatch(**fields, image_features=feats, **flags)
 
 

@@ -48,6 +48,7 @@ from spmd_grpo.models.inputs import (
     response_token_index,
 )
 from spmd_grpo.models.lora import head_parts
+from spmd_grpo.models.moe.routing import MoEState
 
 VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -130,6 +131,8 @@ class PolicyModule(nn.Module):
             "suppress_ids", torch.tensor(suppress_token_ids, dtype=torch.long), persistent=False
         )
         self.chunk_size = chunk_size
+        self.moe: MoEState | None = None
+        """An MoE model's routing state (models/moe: grouped experts and routers installed at build)."""
 
     @property
     def config(self):
@@ -160,6 +163,8 @@ class PolicyModule(nn.Module):
             videos = dict(pixel_values_videos=batch.pixel_values_videos, video_grid_thw=batch.video_grid_thw)
             if batch.second_per_grid_ts is not None:
                 videos["second_per_grid_ts"] = batch.second_per_grid_ts
+        if self.moe is not None:
+            self._begin_routing(batch)
         out = self.hf.model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -174,6 +179,13 @@ class PolicyModule(nn.Module):
         for zero in idle:
             logprobs, entropy = logprobs + zero, entropy + zero
         return logprobs, entropy
+
+    def _begin_routing(self, batch: SequenceBatch) -> None:
+        """Tell the MoE routers about this forward: its real tokens and the routes to compare or replay."""
+        valid = batch.input_ids.new_ones(batch.input_ids.numel(), dtype=torch.bool)
+        if batch.attention_mask is not None:
+            valid = batch.attention_mask.reshape(-1).bool()
+        self.moe.begin(valid, batch.routes, replay=batch.replay_routes, pass_name=batch.route_pass)
 
     def _idle_tower(self, device: torch.device, encode) -> torch.Tensor:
         """The vision tower run on a dummy image (`encode`: the model's `get_image_features`, or

@@ -108,6 +108,7 @@ class RolloutEngine:
         trust_remote_code: bool = False,
         mm_processor_kwargs: dict | None = None,
         adapter_lora: LoRAConfig | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         from vllm import LLM
 
@@ -119,6 +120,10 @@ class RolloutEngine:
         if world.device_type == "cpu":
             # vLLM's CPU backend sizes its KV cache from this variable instead of a memory fraction.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_memory_gb))))
+        routes = {}
+        if return_routed_experts:  # routing replay from vLLM (MoE): its Model Runner V2 returns the routes
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            routes = {"enable_return_routed_experts": True}
         self.llm = LLM(
             **llm_kwargs(
                 model_path,
@@ -135,6 +140,7 @@ class RolloutEngine:
             logits_processors=[suppress_vision_tokens_processor()],
             **host_side_image_normalisation(),
             **(vllm_lora_kwargs(adapter_lora) if adapter_lora else {}),
+            **routes,
         )
         self.adapters = AdapterSync(adapter_lora) if adapter_lora else None
         self.stats = EngineStats()  # dummy weights: the first rollout_mode pushes every weight
@@ -158,6 +164,7 @@ class RolloutEngine:
             trust_remote_code=cfg.worker.actor.model.trust_remote_code,
             mm_processor_kwargs=engine_processor_kwargs(cfg),
             adapter_lora=lora if lora.enabled and rollout.lora_sync == "adapter" else None,
+            return_routed_experts=cfg.worker.actor.moe.routing_replay == "rollout",
         )
 
     def settings(self) -> dict:

@@ -85,7 +85,16 @@ def _sample(prompt: Prompt, sample_index: int, output, gen_batch: int) -> Sample
         finish_reason=completion.finish_reason or "length",
         gen_batch=gen_batch,
         group_index=prompt.uid,
+        routes=_routes(getattr(completion, "routed_experts", None)),
     )
+
+
+def _routes(routed_experts) -> torch.Tensor | None:
+    """vLLM's routed experts of a sequence ([tokens, decoder layers, top-k], uint8 or uint16 numpy, with
+    `enable_return_routed_experts`) as the trainer keeps them: int16 (expert ids stay below 2**15)."""
+    if routed_experts is None:
+        return None
+    return torch.from_numpy(routed_experts.astype("int16"))
 
 
 def generate_for_group(

@@ -22,7 +22,7 @@ from spmd_grpo.parallel.collectives import World, exchange_bytes
 LIST_FIELDS = {"prompt_ids": torch.int64, "response_ids": torch.int64, "rollout_logprobs": torch.float64}
 
 
-TENSOR_FIELDS = ("pixel_values", "image_grid_thw", "old_logprobs", "ref_logprobs")
+TENSOR_FIELDS = ("pixel_values", "image_grid_thw", "old_logprobs", "ref_logprobs", "routes")
 
 
 TENSOR_TUPLE_FIELDS = ("image_features",)

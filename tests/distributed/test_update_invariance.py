@@ -27,7 +27,8 @@ def grads(tiny_untied, tmp_path_factory):
     for world, micros in [(1, "8,1"), (2, "4,1")]:
         path = tmp_path_factory.mktemp("grads") / f"w{world}.pt"
         job = ["tests/jobs/grad_invariance.py", str(tiny_untied), str(path), "--micro", micros]
-        job += ["--budgets", ",".join(map(str, BUDGETS))] + (["--fused"] if world == 2 else [])
+        job += ["--budgets", ",".join(map(str, BUDGETS))]
+        job += ["--fused", "--expert-parallel"] if world == 2 else []
         torchrun([*job, "--modes", ",".join(MODES), "--variants"], nproc=world)
         out.update({(world, *key): g for key, g in torch.load(path).items()})
     return out
@@ -108,3 +109,12 @@ def test_old_logprobs_from_update_forward_are_exact(grads):
         assert torch.equal(g_sep[name], g_fwd[name]), name
     assert sums_sep == sums_fwd and sums_sep["actor/pg_loss"][0] != 0
     assert len(old_fwd) == 8 and all(torch.equal(a, b) for a, b in zip(old_sep, old_fwd, strict=True))
+
+
+def test_expert_parallel_gradients_equal_unsharded_experts(grads):
+    """A tiny MoE with its experts sharded over 2 ranks (ExpertParallel: all-to-all dispatch and combine)
+    gives every gradient of the unsharded experts, each rank routing its own tokens."""
+    unsharded, sharded = grads[2, "ep", 1], grads[2, "ep", 2]
+    assert set(unsharded) == set(sharded) and any(n.endswith("experts.gate_up_proj") for n in sharded)
+    assert all(g.abs().max() > 0 for n, g in sharded.items() if "experts" in n)
+    assert _max_rel(unsharded, sharded) <= 1e-5

@@ -5,7 +5,9 @@
 * sleep / wake: sleep level 2 gives back what vLLM reserved, and after wake + push the engine samples the
   same greedy tokens as before sleeping;
 * weight sync bandwidth: one push of every weight, bytes / seconds, printed;
-* the process group reduces host tensors (over gloo) as well as device tensors (over nccl).
+* the process group reduces host tensors (over gloo) as well as device tensors (over nccl);
+* MoE routing replay from vLLM (`routing_replay=rollout`): vLLM returns every sample's routes and the trainer
+  replays them (needs the tiny `qwen3_vl_moe` checkpoint; skipped where that family is not registered).
 Never run by this project so far (no GPU was available): the thresholds are first estimates.
 """
 
@@ -51,3 +53,24 @@ def test_sleep_frees_memory_and_wake_restores_the_policy(tiny_untied, tmp_path):
     assert r["freed_gb"] > 0.8 * r["reserved_gb"], r
     assert r["tokens_after_wake"] == r["tokens_before_sleep"], r
     assert r["push_gb_per_s"] > 0.5, r  # the weight-sync bandwidth, printed above
+
+
+def test_routing_replay_from_vllm(tmp_path):
+    """worker.actor.moe.routing_replay=rollout on a tiny Qwen3-VL-MoE: vLLM returns every sample's routes
+    ([tokens, layers, top-k], the last token possibly missing), the trainer disagrees with a small fraction
+    of them, and replaying them brings the trainer's logprobs at least as close to vLLM's as its own
+    routing. Needs the tiny `qwen3_vl_moe` checkpoint (hub expert layout) of the MoE families change."""
+    from spmd_grpo.models.families import FAMILIES
+    from tests.conftest import tiny_model
+
+    if "qwen3_vl_moe" not in FAMILIES:
+        pytest.skip("the qwen3_vl_moe family is not registered in this tree yet")
+    model = tiny_model(family="qwen3_vl_moe")
+    torchrun(["tests/jobs/routed_experts.py", str(model), str(tmp_path / "routes.json")], nproc=1)
+    r = json.loads((tmp_path / "routes.json").read_text())
+    print(r)
+    for shape, length in r["route_shapes"]:
+        assert shape is not None and shape[1:] == [r["num_layers"], r["top_k"]], r
+        assert length - 1 <= shape[0] <= length, r
+    assert r["route_diff_rollout"] < 0.3, r
+    assert r["diff_replay_max"] <= r["diff_own_max"] + 1e-3, r

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from PIL import Image
 
 
@@ -75,3 +76,75 @@ def encode_with_videos(processor, images: list[Image.Image], videos: list, text:
     call = with_video_metadata(kwargs, videos)
     frames = [v.frames for v in videos]
     return processor(text=[chat], images=images or None, videos=frames, return_tensors="pt", **call)
+
+
+# ------------------------------------------------------------------ tiny MoE models built in memory
+MOE_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    deepstack_visual_indexes=[],
+)
+MOE_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=320,
+)
+
+
+def tiny_moe_model(family: str) -> torch.nn.Module:
+    """A random tiny MoE VL model (8 experts, top-2, 2 layers) in fp32, the same for the same family."""
+    import transformers as tf
+
+    from spmd_grpo.models.moe.install import moe_blocks
+
+    torch.manual_seed(0)
+    if family == "qwen3_vl_moe":
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "mrope_section": [4, 6, 6],
+            "mrope_interleaved": True,
+        }
+        config = tf.Qwen3VLMoeConfig(
+            text_config=dict(MOE_TEXT, rope_parameters=rope), vision_config=MOE_VISION
+        )
+        model = tf.Qwen3VLMoeForConditionalGeneration(config)
+    else:
+        rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                "partial_rotary_factor": 0.5}  # fmt: skip
+        text = dict(MOE_TEXT, rope_parameters=rope, layer_types=["linear_attention", "full_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
+                    linear_value_head_dim=32, shared_expert_intermediate_size=32)  # fmt: skip
+        config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=MOE_VISION)
+        model = tf.Qwen3_5MoeForConditionalGeneration(config)
+    for _, block in moe_blocks(model):  # HF initialises the router at zero: every token would tie
+        torch.nn.init.normal_(block.gate.weight, std=0.5)
+    return model.float()
+
+
+def moe_tokens(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, MOE_TEXT["vocab_size"], (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    return ids, mask
+
+
+def logprobs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token logprobs of the next token, [B, L-1], zero on padding."""
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return lp * mask[:, 1:]

@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also packed / reused-image-feature cases")
     ap.add_argument("--budgets", default="", help="comma-separated token budgets (dynamic batching)")
     ap.add_argument("--fused", action="store_true", help="old logprobs from the update's forward vs a pass")
+    ap.add_argument("--expert-parallel", action="store_true", help="a tiny MoE at EP=1 and EP=world")
     args = ap.parse_args()
     from transformers import AutoProcessor
 
@@ -167,8 +168,41 @@ def main() -> None:
     if args.fused:
         spec = dataclasses.replace(base, micro_batch_size=2, experience_micro_batch_size=2)
         out.update(fused_cases(policy, samples, spec, world))
+    if args.expert_parallel:
+        out.update(expert_parallel_grads(world))
     if world.rank == 0:
         torch.save(out, args.out)
+
+
+def expert_parallel_grads(world) -> dict:
+    """{("ep", P): {name: full gradient}} of a tiny Qwen3-VL-MoE (8 experts, top-2, fp32) for the same
+    tokens (each rank its own rows), with the experts unsharded (P = 1) and expert-parallel over every rank
+    (`ExpertParallel`, P = world size). The loss is summed over ranks: unsharded and dense gradients are
+    all-reduced, expert-parallel ones are already sums (every rank's tokens reach an expert's owner)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from spmd_grpo.models.moe.expert_parallel import ExpertParallel
+    from spmd_grpo.models.moe.install import install_moe, moe_blocks
+    from spmd_grpo.parallel.collectives import all_reduce_sum
+    from tests.jobs.common import logprobs, moe_tokens, tiny_moe_model
+
+    mesh = init_device_mesh("cpu", (world.world_size,))
+    ids, mask = moe_tokens(seed=1 + world.rank)
+    out = {}
+    for ep in (1, world.world_size):
+        model = tiny_moe_model("qwen3_vl_moe")
+        install_moe(model)
+        for _, block in moe_blocks(model) if ep > 1 else []:
+            parallelize_module(block.experts, mesh, ExpertParallel())
+        (logprobs(model, ids, mask) * (1 + world.rank)).sum().backward()
+        out[("ep", ep)] = {
+            name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else all_reduce_sum(p.grad)
+            for name, p in model.named_parameters()
+            if p.grad is not None
+        }
+    return out
 
 
 def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> dict:

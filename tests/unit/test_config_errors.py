@@ -118,6 +118,8 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["worker.reward.reward_function=ROOT/syntax_error.py:fn"], "worker.reward.reward_function"),
     (["trainer.resume=ROOT/run/checkpoints/global_step_7"], "trainer.resume"),
     (["worker.actor.model.model_path=ROOT/no_tokenizer"], "worker.actor.model.model_path"),
+    # the installed vLLM build (here the CPU one) cannot return routed experts
+    ([f"{A}moe.routing_replay=rollout"], f"{A}moe.routing_replay=rollout needs vLLM's routed experts"),
     *(
         ([f"worker.reward.reward_function=ROOT/{name}.py:fn"], "worker.reward.reward_function")
         for name in USER_CODE_THAT_EXITS
@@ -192,6 +194,8 @@ VALUE_ROWS = [
     ([f"{A}clip_ratio_low=1.0"], f"{A}clip_ratio_low"),
     ([f"{A}clip_ratio_high=-0.1"], f"{A}clip_ratio_high"),
     ([f"{A}clip_ratio_dual=1.0"], f"{A}clip_ratio_dual"),
+    ([f"{A}moe.routing_replay=vllm"], f"{A}moe.routing_replay"),
+    ([f"{A}moe.router_aux_loss_coef=-0.01"], f"{A}moe.router_aux_loss_coef"),
     ([f"{A}ppo_epochs=0"], f"{A}ppo_epochs"),
     ([f"{A}global_batch_size=6"], f"{A}global_batch_size"),
     ([f"{A}micro_batch_size_per_device_for_update=3"], f"{A}micro_batch_size_per_device_for_update"),
