@@ -3,7 +3,8 @@ model or engine (`spmd_grpo.train` runs it after `validate`; a `--dry-run` plans
 skips it). The model and tokenizer (a local checkpoint directory or a hub id, the hub reachable when the id
 must be downloaded), the model's family and LoRA targets (from its config.json on the meta device), the data
 sources and the training set's size against the rollout batch, the prompt template, the reward file (read,
-then imported), the resume directory. Each failure is a `ConfigError` naming the key.
+then imported), the resume directory, and an installed vLLM that can return routed experts when
+routing replay takes vLLM's routes. Each failure is a `ConfigError` naming the key.
 """
 
 from __future__ import annotations
