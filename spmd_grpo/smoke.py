@@ -1,11 +1,16 @@
-"""`make smoke-test`: the main job on the built-in tiny default, on this machine, then the learning curve.
+"""`make smoke-test`: the main job on the built-in tiny default, on this machine, until it has learned the task.
 
-Builds (once, cached under .cache/) a tiny random Qwen2.5-VL (`SMOKE_MODEL`), runs
-    torchrun --nproc_per_node 2 -m spmd_grpo.train configs/smoke.yaml worker.actor.model.model_path=<tiny> ...
-prints the mean reward over the steps from the run's metrics.jsonl and writes the curves (`spmd_grpo.telemetry.report`)
-to <run dir>/report.png, printing its path. Exits non-zero if the run fails or
-the final mean reward (mean over the last 5 steps) is below 0.8: if weight sync, the advantage sign or the
-loss were wrong, the reward would not rise.
+Builds (once, cached under .cache/) a tiny random Qwen2.5-VL (`SMOKE_MODEL`), starts a new run in the run
+directory (the previous smoke's directory is removed first)
+    python -m spmd_grpo.launch --nproc_per_node 2 -m spmd_grpo.train configs/smoke.yaml \
+        worker.actor.model.model_path=<tiny> trainer.resume=none ...
+and follows its metrics.jsonl. The pass criterion (`learned_at`): the mean reward of WINDOW consecutive
+steps reaches TARGET within the config's `trainer.max_steps`. When it does, the run is stopped with SIGTERM
+(the ranks finish the step they are in, save it as a checkpoint and exit with 143), and that checkpoint
+must be complete and be the last logged step. A run that reaches max_steps without meeting the criterion
+fails: if weight sync, the advantage sign or the loss were wrong (or the learning rate 0), the reward would
+not rise. Then it prints the reward per step and the validation rows, and writes the curves
+(`spmd_grpo.telemetry.report`) to <run dir>/report.png, printing its path.
 
     python -m spmd_grpo.smoke [--nproc 2] [--config configs/smoke.yaml] [key=value ...]
 """
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -22,11 +29,13 @@ import time
 from pathlib import Path
 
 from spmd_grpo.config.loader import last_wins, load_config
+from spmd_grpo.run.checkpoint_dirs import find_checkpoint
 from spmd_grpo.telemetry.report import write_report
 from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.8
+WINDOW = 5
 SMOKE_MODEL = TinyModelSpec(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_logit_std=0.6)
 """The smoke task's model: wider than the tests' (64) with its head drawn so logits can move ~10 nats
 (`make_tiny_model._draw_head`), so that LoRA, which leaves the head frozen, can learn the task as full
@@ -43,18 +52,18 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     model_dir = cached_tiny_model(args.cache, SMOKE_MODEL)
-    overrides = last_wins([f"worker.actor.model.model_path={model_dir}", *args.overrides])  # the user's win
+    overrides = last_wins(
+        [f"worker.actor.model.model_path={model_dir}", "trainer.resume=none", *args.overrides]
+    )  # the user's win
     cfg = load_config(args.config, overrides)
-    metrics_path = cfg.run_dir / "metrics.jsonl"
-    if metrics_path.exists():
-        metrics_path.unlink()  # a fresh curve for this run
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a new run: its own curve, no checkpoint to resume
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "spmd_grpo.launch",
         f"--nproc_per_node={args.nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={port}",
@@ -65,34 +74,94 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("+", " ".join(cmd), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    code = subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    metrics_path = cfg.run_dir / "metrics.jsonl"
+    stopped = False
+    while proc.poll() is None:
+        time.sleep(1.0)
+        learned = learned_at(read_rows(metrics_path))
+        if learned is not None and not stopped:
+            print(
+                f"smoke: the mean reward of steps {learned - WINDOW + 1}-{learned} reached {TARGET}: stopping the "
+                "run (SIGTERM; the ranks save the step they are in and exit)",
+                flush=True,
+            )
+            proc.send_signal(signal.SIGTERM)
+            stopped = True
+    code = proc.wait()
     elapsed = time.monotonic() - start
-    if code != 0:
+    rows = read_rows(metrics_path)
+    learned = learned_at(rows)
+    if code != 0 and not stopped:
         print(f"smoke run failed with exit code {code} after {elapsed:.0f} s", file=sys.stderr)
         return code
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    code = report(
-        [r for r in rows if r["step"] > 0],
-        [r for r in rows if any(k.startswith("val-core/") for k in r)],
-        elapsed,
-    )
+    if code != 0 and not stopped_with_checkpoint(cfg.run_dir, rows, code):  # 0: it ended before the signal
+        return 1
+    code = report(rows, learned, cfg.trainer.max_steps, elapsed)
     png, _ = write_report(cfg.run_dir)
     print(f"curves: {png.resolve()}")
     return code
 
 
-def report(rows: list[dict], val_rows: list[dict], elapsed: float) -> int:
+def read_rows(metrics_path: Path) -> list[dict]:
+    """The complete rows of metrics.jsonl so far (a row being written is left for the next read)."""
+    if not metrics_path.exists():
+        return []
+    lines = metrics_path.read_text().split("\n")[:-1]  # after the last newline: a row not yet complete
+    return [json.loads(line) for line in lines if line]
+
+
+def score_key(train_rows: list[dict]) -> str:
     # With DAPO dynamic sampling the trained batch is filtered (only groups with spread): judge learning by
     # the score of everything generated instead.
-    key = "train/gen_score/mean" if "train/gen_score/mean" in rows[0] else "critic/score/mean"
+    return "train/gen_score/mean" if "train/gen_score/mean" in train_rows[0] else "critic/score/mean"
+
+
+def learned_at(rows: list[dict], window: int = WINDOW, target: float = TARGET) -> int | None:
+    """The pass criterion: the first training step at which the mean reward of the `window` consecutive steps
+    ending there is >= `target` (None while it is not met). Validation-only rows (step 0) do not count."""
+    train = [r for r in rows if r["step"] > 0]
+    if not train:
+        return None
+    scores = [r[score_key(train)] for r in train]
+    for end in range(window, len(train) + 1):
+        if sum(scores[end - window : end]) / window >= target:
+            return train[end - 1]["step"]
+    return None
+
+
+def stopped_with_checkpoint(run_dir: Path, rows: list[dict], code: int) -> bool:
+    """After the stop: the job exited with 128 + SIGTERM and the newest complete checkpoint is the last
+    logged step (the ranks saved it on the signal). Prints what is wrong otherwise."""
+    last = rows[-1]["step"]
+    saved = find_checkpoint(run_dir, "auto")
+    if code == 128 + signal.SIGTERM and saved is not None and saved.name == f"global_step_{last}":
+        print(f"smoke: stopped after step {last}, checkpoint {saved}")
+        return True
+    print(
+        f"smoke: FAIL: after SIGTERM the job exited {code} (expected {128 + signal.SIGTERM}) and the newest "
+        f"complete checkpoint is {saved} (expected global_step_{last}, the last logged step)",
+        file=sys.stderr,
+    )
+    return False
+
+
+def report(rows: list[dict], learned: int | None, max_steps: int | None, elapsed: float) -> int:
+    """Print the reward per step, the validation rows and the verdict; 0 when the task was learned."""
+    train = [r for r in rows if r["step"] > 0]
+    if not train:
+        print("smoke: FAIL: no training step was logged", file=sys.stderr)
+        return 1
+    key = score_key(train)
     print(f"\n{'step':>5} {'score':>7} {'accuracy':>9} {'resp_len':>9} {'lp_diff_max':>12} {'s/step':>7}")
-    every = max(1, len(rows) // 20)
-    for r in rows:
-        if r["step"] == 1 or r["step"] % every == 0 or r["step"] == len(rows):
+    every = max(1, len(train) // 20)
+    for r in train:
+        if r["step"] == 1 or r["step"] % every == 0 or r is train[-1]:
             print(
                 f"{r['step']:>5} {r[key]:>7.3f} {r.get('reward/accuracy', float('nan')):>9.3f} "
                 f"{r['response_length/mean']:>9.2f} {r['rollout/logprob_diff_max']:>12.1e} {r['timing_s/step']:>7.2f}"
             )
+    val_rows = [r for r in rows if any(k.startswith("val-core/") for k in r)]
     if val_rows:
         print("\nvalidation (greedy-ish sampling, held-out colours):")
         for r in val_rows:
@@ -100,14 +169,21 @@ def report(rows: list[dict], val_rows: list[dict], elapsed: float) -> int:
                 f"{r['step']:>5} "
                 + "  ".join(f"{k} {v:.3f}" for k, v in sorted(r.items()) if k.startswith("val-core/"))
             )
-    first = sum(r[key] for r in rows[:5]) / min(5, len(rows))
-    final = sum(r[key] for r in rows[-5:]) / min(5, len(rows))
-    ok = final >= TARGET
+    first = sum(r[key] for r in train[:WINDOW]) / min(WINDOW, len(train))
+    if learned is None:
+        best = max(
+            sum(r[key] for r in train[i : i + WINDOW]) / WINDOW
+            for i in range(max(1, len(train) - WINDOW + 1))
+        )
+        verdict = f"not reached in {len(train)} steps (best {best:.3f}): FAIL"
+    else:
+        window = [r[key] for r in train if learned - WINDOW < r["step"] <= learned]
+        verdict = f"reached at step {learned} ({sum(window) / WINDOW:.3f}): PASS"
     print(
-        f"\nmean reward ({key}): first 5 steps {first:.3f} -> last 5 steps {final:.3f} (target >= {TARGET}); "
-        f"{len(rows)} steps, wall time {elapsed:.0f} s: {'PASS' if ok else 'FAIL'}"
+        f"\nmean reward ({key}) of {WINDOW} consecutive steps >= {TARGET} within {max_steps} steps: "
+        f"first {WINDOW} steps {first:.3f}, {verdict}; {len(train)} steps, wall time {elapsed:.0f} s"
     )
-    return 0 if ok else 1
+    return 0 if learned is not None else 1
 
 
 if __name__ == "__main__":

@@ -161,28 +161,46 @@ def fake_checkpoint(
 
 
 CHECKPOINT_JOB = "tests/jobs/checkpoint_roundtrip.py"
+SAVED_CASES = [  # (family, tied embeddings, LoRA rank): what the checkpoint and export tests read
+    ("qwen2_5_vl", False, 0),
+    ("qwen2_5_vl", False, 4),
+    ("qwen2_5_vl", True, 0),
+    ("qwen2_vl", False, 0),
+    ("qwen3_vl", False, 0),
+]
 
 
 @pytest.fixture(scope="session")
 def saved_checkpoints(tmp_path_factory):
     """`saved_checkpoints(model_dir, lora_rank=0)` -> directory with `run/` (checkpoints of steps 1 and 2, saved at world 2
-    by tests/jobs/checkpoint_roundtrip.py) and `save.pt` (what the job recorded): one launch per model for
-    the whole session, shared by the checkpoint and export tests."""
+    by tests/jobs/checkpoint_roundtrip.py) and `save.pt` (what the job recorded), shared by the checkpoint and
+    export tests. The first call saves every case of SAVED_CASES in one launch; another model gets its own."""
     cache: dict[tuple[Path, int], Path] = {}
 
-    def get(model_dir: Path, lora_rank: int = 0) -> Path:
-        if (model_dir, lora_rank) not in cache:
-            work = tmp_path_factory.mktemp("ckpt")
-            job = [
-                CHECKPOINT_JOB,
+    def save(cases: list[tuple[Path, int]]) -> None:
+        job, works = [CHECKPOINT_JOB, "--phase", "save"], []
+        for model_dir, lora_rank in cases:
+            works.append(tmp_path_factory.mktemp("ckpt"))
+            job += [
+                "--case",
                 str(model_dir),
-                str(work / "run"),
-                str(work / "save.pt"),
-                "--phase",
-                "save",
+                str(works[-1] / "run"),
+                str(works[-1] / "save.pt"),
+                str(lora_rank),
             ]
-            torchrun([*job, "--lora-rank", str(lora_rank)])
-            cache[model_dir, lora_rank] = work
+        torchrun(job)
+        cache.update(zip(cases, works, strict=True))
+
+    def get(model_dir: Path, lora_rank: int = 0) -> Path:
+        if not cache:
+            save(
+                [
+                    (tiny_model(tie_word_embeddings=tied, family=family), rank)
+                    for family, tied, rank in SAVED_CASES
+                ]
+            )
+        if (model_dir, lora_rank) not in cache:
+            save([(model_dir, lora_rank)])
         return cache[model_dir, lora_rank]
 
     return get

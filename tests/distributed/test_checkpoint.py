@@ -23,8 +23,8 @@ def saved(tiny_untied, saved_checkpoints):
 def resume(saved, tiny_untied, nproc: int, lora_rank: int = 0) -> dict:
     work, _ = saved
     out = work / f"resume{nproc}.pt"
-    job = [CHECKPOINT_JOB, str(tiny_untied), str(work / "run"), str(out), "--phase", "resume"]
-    torchrun([*job, "--lora-rank", str(lora_rank)], nproc=nproc)
+    job = [CHECKPOINT_JOB, "--phase", "resume", "--case", str(tiny_untied), str(work / "run"), str(out)]
+    torchrun([*job, str(lora_rank)], nproc=nproc)
     return torch.load(out, weights_only=False)
 
 

@@ -2,6 +2,8 @@
 and in vLLM (plain python subprocess) with an image prompt; the exported tensors are the trained parameters.
 
 fp32 export, so the comparisons are exact; shards of 1 MB, so the tiny model spans several files + an index.
+Every export of this file is made first (`exports`), and one vLLM process loads them one after the other: a
+fresh process per export spent most of its time importing vLLM.
 """
 
 from __future__ import annotations
@@ -22,18 +24,38 @@ from spmd_grpo.run.export import export_hf
 from tests.conftest import REPO, tiny_model
 
 VLLM_SCRIPT = r"""
-import json, sys
+import gc, json, sys
 from PIL import Image
 from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
 
-out_dir, prompt, result = sys.argv[1], sys.argv[2], sys.argv[3]
-llm = LLM(model=out_dir, enforce_eager=True, dtype="float32", max_model_len=512, limit_mm_per_prompt={"image": 1})
+jobs, result = json.load(open(sys.argv[1])), sys.argv[2]
 image = Image.new("RGB", (56, 56), (200, 40, 40))
-params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
-o = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params)[0].outputs[0]
-first = {int(t): float(lp.logprob) for t, lp in o.logprobs[0].items()}
-json.dump({"token_ids": list(o.token_ids), "first_logprobs": first}, open(result, "w"))
+out = {}
+for name, job in jobs.items():
+    adapter = job.get("adapter")
+    lora = dict(enable_lora=True, max_lora_rank=8, max_loras=1) if adapter else {}
+    llm = LLM(model=job["model"], enforce_eager=True, dtype="float32", max_model_len=512,
+              limit_mm_per_prompt={"image": 1}, **lora)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=5, ignore_eos=True)
+    requests = {"base": None, **({"lora": LoRARequest("trained", 1, adapter)} if adapter else {})}
+    out[name] = {}
+    for key, request in requests.items():
+        prompt = {"prompt": job["prompt"], "multi_modal_data": {"image": image}}
+        o = llm.generate(prompt, params, lora_request=request)[0].outputs[0]
+        first = {int(t): float(lp.logprob) for t, lp in o.logprobs[0].items()}
+        out[name][key] = {"token_ids": list(o.token_ids), "first_logprobs": first}
+    del llm
+    gc.collect()
+json.dump(out, open(result, "w"))
 """
+CASES = {  # case -> (family, tied embeddings)
+    "untied": ("qwen2_5_vl", False),
+    "tied": ("qwen2_5_vl", True),
+    "qwen2_vl": ("qwen2_vl", False),
+    "qwen3_vl": ("qwen3_vl", False),
+}
+LORA_RANK = 4
 
 
 def weight_names(model_dir) -> set[str]:
@@ -60,32 +82,76 @@ def run_vllm_script(script: str, args: list[str], result: Path) -> dict:
     return json.loads(result.read_text())
 
 
-@pytest.mark.parametrize(
-    "family, tied",
-    [("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen2_vl", False), ("qwen3_vl", False)],
-    ids=["untied", "tied", "qwen2_vl", "qwen3_vl"],
-)
-def test_export_loads_in_transformers_and_vllm(family, tied, saved_checkpoints, tmp_path, monkeypatch):
+def image_prompt(model_dir: Path) -> str:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    content = [{"type": "image"}, {"type": "text", "text": "Which color?"}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def exports(saved_checkpoints, tmp_path_factory) -> dict:
+    """{case: the export of the checkpoints' step 2 (`out`), the bytes each DCP read held (`loads`), the base
+    model, the saved run (`work`), the prompt and what vLLM generated from the export (`vllm`)}, and "lora":
+    the LoRA checkpoint's adapter export (`out`) and merged model (`merged`), vLLM's `base` and `lora`
+    generations. One vLLM process serves every export."""
+    root = tmp_path_factory.mktemp("export")
+    found, jobs = {}, {}
+    for case, (family, tied) in CASES.items():
+        model_dir = tiny_model(tie_word_embeddings=tied, family=family)
+        work = saved_checkpoints(model_dir)  # the checkpoint tests' save, shared (one launch for all)
+        loads = []  # streaming: every DCP read holds at most one shard's tensors
+        real_load = export_mod.dcp.load
+
+        def counting_load(sd, real_load=real_load, loads=loads, **kw):
+            loads.append(sum(t.numel() * t.element_size() for t in sd.values()))
+            return real_load(sd, **kw)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(export_mod.dcp, "load", counting_load)
+            out = export_hf(
+                work / "run" / "checkpoints" / "global_step_2", root / case, "float32", shard_size_mb=1
+            )
+        found[case] = {
+            "model_dir": model_dir,
+            "work": work,
+            "out": out,
+            "loads": loads,
+            "prompt": image_prompt(out),
+        }
+        jobs[case] = {"model": str(out), "prompt": found[case]["prompt"], "max_tokens": 4}
+
+    model_dir = tiny_model()
+    work = saved_checkpoints(model_dir, lora_rank=LORA_RANK)
+    ckpt = work / "run" / "checkpoints" / "global_step_2"
+    out = export_hf(ckpt, root / "adapter", "float32", merged=root / "merged")
+    found["lora"] = {"model_dir": model_dir, "work": work, "out": out, "merged": root / "merged"}
+    found["lora"]["prompt"] = image_prompt(model_dir)
+    jobs["lora"] = {
+        "model": str(model_dir),
+        "adapter": str(out),
+        "prompt": found["lora"]["prompt"],
+        "max_tokens": 1,
+    }
+
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    for case, got in run_vllm_script(VLLM_SCRIPT, [str(root / "jobs.json")], root / "vllm.json").items():
+        found[case]["vllm"] = got
+    return found
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_loads_in_transformers_and_vllm(case, exports):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model_dir = tiny_model(tie_word_embeddings=tied, family=family)
-    work = saved_checkpoints(model_dir)  # the checkpoint tests' save, shared (one launch per model)
-    trained = torch.load(work / "save.pt", weights_only=False)["at_save"]["params"]  # the checkpoint's
-    ckpt = work / "run" / "checkpoints" / "global_step_2"
+    found = exports[case]
+    model_dir, out, loads, tied = found["model_dir"], found["out"], found["loads"], CASES[case][1]
+    trained = torch.load(found["work"] / "save.pt", weights_only=False)["at_save"][
+        "params"
+    ]  # the checkpoint's
 
-    # Streaming: every DCP read holds at most one shard's tensors.
-    loads = []
-    real_load = export_mod.dcp.load
-    monkeypatch.setattr(
-        export_mod.dcp,
-        "load",
-        lambda sd, **kw: (
-            loads.append(sum(t.numel() * t.element_size() for t in sd.values())),
-            real_load(sd, **kw),
-        ),
-    )
-    out = export_hf(ckpt, tmp_path / "hf", "float32", shard_size_mb=1)
-    monkeypatch.undo()
+    # Streaming: every DCP read held at most one shard's tensors.
     total = sum(
         t.numel() * t.element_size() for n, t in trained.items() if not (tied and n == "lm_head.weight")
     )
@@ -119,9 +185,8 @@ def test_export_loads_in_transformers_and_vllm(family, tied, saved_checkpoints, 
         )
 
     processor = AutoProcessor.from_pretrained(out)
-    content = [{"type": "image"}, {"type": "text", "text": "Which color?"}]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    inputs = processor(text=[prompt], images=[Image.new("RGB", (56, 56), (200, 40, 40))], return_tensors="pt")
+    image = Image.new("RGB", (56, 56), (200, 40, 40))
+    inputs = processor(text=[found["prompt"]], images=[image], return_tensors="pt")
     gen = model.generate(
         **inputs,
         max_new_tokens=4,
@@ -133,33 +198,14 @@ def test_export_loads_in_transformers_and_vllm(family, tied, saved_checkpoints, 
     assert gen.sequences.shape[1] == inputs["input_ids"].shape[1] + 4
     hf_first = torch.log_softmax(gen.logits[0][0].float(), dim=-1)  # raw logits, as vLLM reports
 
-    # vLLM loads the same directory and agrees on the first token's distribution.
-    got = run_vllm_script(VLLM_SCRIPT, [str(out), prompt], tmp_path / "vllm.json")
+    # vLLM loaded the same directory and agrees on the first token's distribution.
+    got = found["vllm"]["base"]
     assert len(got["token_ids"]) == 4
     first = {int(t): lp for t, lp in got["first_logprobs"].items()}
     assert max(abs(lp - hf_first[t].item()) for t, lp in first.items()) < 1e-3, (first, hf_first.topk(5))
 
 
-VLLM_LORA_SCRIPT = r"""
-import json, sys
-from PIL import Image
-from vllm import LLM, SamplingParams
-from vllm.lora.request import LoRARequest
-
-base_dir, adapter_dir, prompt, result = sys.argv[1:5]
-llm = LLM(model=base_dir, enforce_eager=True, dtype="float32", max_model_len=512, limit_mm_per_prompt={"image": 1},
-          enable_lora=True, max_lora_rank=8, max_loras=1)
-image = Image.new("RGB", (56, 56), (200, 40, 40))
-params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
-out = {}
-for key, lora in (("base", None), ("lora", LoRARequest("trained", 1, adapter_dir))):
-    o = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, lora_request=lora)[0]
-    out[key] = {int(t): float(lp.logprob) for t, lp in o.outputs[0].logprobs[0].items()}
-json.dump(out, open(result, "w"))
-"""
-
-
-def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(saved_checkpoints, tmp_path):
+def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(exports):
     """A LoRA checkpoint (adapters only, trained 2 steps at world 2) exports as a PEFT adapter directory:
     `PeftModel.from_pretrained` finds every trained adapter tensor, vLLM (`enable_lora`, `LoRARequest`)
     serves it with the PEFT model's first-token logprobs, and `--merged` writes a plain HF model equal to
@@ -167,20 +213,17 @@ def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(saved_
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model_dir = tiny_model()
-    work = saved_checkpoints(model_dir, lora_rank=4)
-    trained = torch.load(work / "save.pt", weights_only=False)["at_save"]["params"]
+    found = exports["lora"]
+    model_dir, out = found["model_dir"], found["out"]
+    trained = torch.load(found["work"] / "save.pt", weights_only=False)["at_save"]["params"]
     adapters = {n: t for n, t in trained.items() if ".lora_" in n}
-    ckpt = work / "run" / "checkpoints" / "global_step_2"
-    out = export_hf(ckpt, tmp_path / "adapter", "float32", merged=tmp_path / "merged")
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((out / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", LORA_RANK, 8.0)
 
     processor = AutoProcessor.from_pretrained(model_dir)
-    content = [{"type": "image"}, {"type": "text", "text": "Which color?"}]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    inputs = processor(text=[prompt], images=[Image.new("RGB", (56, 56), (200, 40, 40))], return_tensors="pt")
+    image = Image.new("RGB", (56, 56), (200, 40, 40))
+    inputs = processor(text=[found["prompt"]], images=[image], return_tensors="pt")
 
     def first_logprobs(model) -> torch.Tensor:
         with torch.no_grad():
@@ -199,10 +242,10 @@ def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(saved_
     peft_lp = first_logprobs(peft_model)
     assert (peft_lp - base_lp).abs().max() > 1e-2  # the adapters matter (negative control)
     merged_lp = first_logprobs(
-        AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        AutoModelForImageTextToText.from_pretrained(found["merged"], dtype=torch.float32)
     )
     assert (merged_lp - peft_lp).abs().max() < 1e-4
 
-    got = run_vllm_script(VLLM_LORA_SCRIPT, [str(model_dir), str(out), prompt], tmp_path / "vllm.json")
     for key, want in (("base", base_lp), ("lora", peft_lp)):
-        assert max(abs(lp - want[int(t)].item()) for t, lp in got[key].items()) < 1e-3, (key, got[key])
+        got = found["vllm"][key]["first_logprobs"]
+        assert max(abs(lp - want[int(t)].item()) for t, lp in got.items()) < 1e-3, (key, got)

@@ -41,8 +41,8 @@ from spmd_grpo.models.families import PUBLISHED
 from tests.conftest import CACHE, REPO, tiny_model, torchrun
 
 RUN_ELSEWHERE = {
-    "smoke": "trained by tests/engine/test_train_loop.py (3 steps, every metric) and test_families_grpo.py (60 "
-    "steps per family), and for 300 steps by make smoke-test",
+    "smoke": "trained by tests/engine/test_launch.py (3 steps on 4 ranks, every metric) and test_families_grpo.py "
+    "(60 steps per family), and until it has learned the task by make smoke-test",
     "smoke_dapo": "trained by tests/engine/test_dynamic_sampling.py (2 steps, ranks keeping different group "
     "counts); the DAPO path also runs here with qwen2_5_vl_7b_geo3k_dapo",
     "smoke_video": "smoke.yaml on builtin:video_color: the video path runs here with qwen2_5_vl_7b_video_grpo, "
@@ -50,7 +50,14 @@ RUN_ELSEWHERE = {
 }
 """Configs validated (tests/unit/test_config.py) but not trained here, each with why and where it is trained
 (each run here costs the tier 15-20 s)."""
-CONFIGS = sorted(c for c in (REPO / "configs").glob("*.yaml") if c.stem not in RUN_ELSEWHERE)
+SAME_RUN_AS = {"qwen2_5_vl_32b_geo3k_grpo": "qwen2_5_vl_7b_geo3k_grpo"}
+"""Configs whose run here would repeat another config's run: scaled down and with the tiny model swapped in,
+every key is the same (the sizes and the tensor-parallel degree are what tells them apart, and those are
+replaced here). `test_a_config_not_trained_here_resolves_to_its_twin` checks it key by key, so a change that
+makes the run differ fails there until the config is trained again."""
+CONFIGS = sorted(
+    c for c in (REPO / "configs").glob("*.yaml") if c.stem not in RUN_ELSEWHERE and c.stem not in SAME_RUN_AS
+)
 WORLD_SIZE = 2
 
 # Sizes scaled down: key -> (cap, why). A config value above the cap, or negative ("all" / "the default"),
@@ -250,6 +257,28 @@ def test_shipped_config_trains_two_steps(config: Path, tmp_path: Path):
         # The primed model writes the format the math reward grades, and the update has a gradient.
         assert max(r["reward/format"] for r in train) > 0
         assert all(r["actor/grad_norm"] > 0 for r in train)
+
+
+@pytest.mark.parametrize("config, twin", SAME_RUN_AS.items())
+def test_a_config_not_trained_here_resolves_to_its_twin(config: str, twin: str, tmp_path: Path):
+    from spmd_grpo.run.start import plain_config
+
+    def resolved(stem: str) -> dict:
+        original = load_config(REPO / "configs" / f"{stem}.yaml")
+        cfg = load_config(REPO / "configs" / f"{stem}.yaml", _swapped(original, tmp_path) + _scaled(original))
+        return _flat(plain_config(cfg))
+
+    ours, theirs = resolved(config), resolved(twin)
+    names = {"trainer.project_name", "trainer.experiment_name"}  # they only name the run
+    differ = sorted(k for k in ours.keys() | theirs.keys() if k not in names and ours.get(k) != theirs.get(k))
+    assert not differ, f"{config} no longer runs as {twin} does here ({differ}): train it (SAME_RUN_AS)"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
 
 
 def _check_config_shows(cfg: Config, train: list[dict]) -> None:

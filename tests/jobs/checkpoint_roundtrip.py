@@ -1,14 +1,18 @@
 """torchrun job: train, checkpoint, resume in a fresh process (any world size), continue identically.
 
-    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py MODEL_DIR RUN_DIR OUT.pt --phase save
-    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py MODEL_DIR RUN_DIR OUT.pt --phase resume
+    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase save --case MODEL_DIR RUN_DIR OUT.pt R ...
+    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase resume --case MODEL_DIR RUN_DIR OUT.pt R
+
+Each `--case` is one model with its own run directory, result file and LoRA rank (0: full fine-tuning); the
+cases run one after the other in the same process group, each from the same seeds, so one launch serves all
+the models a test session needs.
 
 `save`: FSDP2 policy (fp32) + AdamW with a warmup schedule; steps 1 and 2 on a deterministic multimodal
 log-likelihood loss, saving after each (save_limit=1, so step 1 is pruned); then the uninterrupted reference
 continues with step 3. `resume`: a fresh policy/optimizer loads the newest checkpoint (`find_checkpoint(auto)`)
 and takes the same step 3. Rank 0 writes OUT.pt with, at the checkpoint (`at_save`) and after step 3
 (`params_after`): full parameters and Adam moments keyed by HF name, lr, scheduler step, the next global prompt
-batch of the restored sampler and an RNG probe drawn right after the save / load. With `--lora-rank R` the
+batch of the restored sampler and an RNG probe drawn right after the save / load. With a LoRA rank R > 0 the
 policy trains LoRA adapters of rank R (the checkpoint then holds adapters only, and the config section that
 export reads).
 """
@@ -98,21 +102,29 @@ def rng_probe() -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model_dir")
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("out")
     ap.add_argument("--phase", choices=["save", "resume"], required=True)
-    ap.add_argument("--lora-rank", type=int, default=0)
+    ap.add_argument(
+        "--case",
+        nargs=4,
+        action="append",
+        required=True,
+        metavar=("MODEL_DIR", "RUN_DIR", "OUT", "LORA_RANK"),
+    )
     args = ap.parse_args()
+    world = init_distributed("cpu")
+    for model_dir, run_dir, out, lora_rank in args.case:
+        run_case(world, model_dir, Path(run_dir), out, args.phase, int(lora_rank))
+
+
+def run_case(world, model_dir: str, run_dir: Path, out_path: str, phase: str, lora_rank: int) -> None:
     from transformers import AutoProcessor
 
-    world = init_distributed("cpu")
     seed_everything(7 + world.rank)
-    processor = AutoProcessor.from_pretrained(args.model_dir)
+    processor = AutoProcessor.from_pretrained(model_dir)
     actor = ActorConfig(
-        model=ModelConfig(model_path=args.model_dir, lora=LoRAConfig(rank=args.lora_rank, alpha=8.0)),
+        model=ModelConfig(model_path=model_dir, lora=LoRAConfig(rank=lora_rank, alpha=8.0)),
         optim=OptimConfig(
-            lr=5e-2 if args.lora_rank else 1e-3, lr_warmup_steps=4, lr_scheduler="cosine", min_lr_ratio=0.1
+            lr=5e-2 if lora_rank else 1e-3, lr_warmup_steps=4, lr_scheduler="cosine", min_lr_ratio=0.1
         ),
         fsdp=FSDPConfig(param_dtype="float32"),
     )
@@ -121,7 +133,7 @@ def main() -> None:
     sampler = PromptSampler(10, GLOBAL_BATCH, world.rank, world.world_size, seed=3, shuffle=True)
     out: dict = {"world_size": world.world_size}
 
-    if args.phase == "save":
+    if phase == "save":
         for step in range(1, max(SAVE_STEPS) + 1):
             train_step(policy, optim, processor, step, world)
             sampler.next_batch()
@@ -129,19 +141,19 @@ def main() -> None:
             if step in SAVE_STEPS:
                 trainer_state = {"step": step, "policy_version": step, "sampler": sampler.state_dict()}
                 save_checkpoint(
-                    args.run_dir,
+                    run_dir,
                     step,
                     policy=policy,
                     optim=optim,
                     trainer_state=trainer_state,
                     world=world,
                     save_limit=1,
-                    model_path=args.model_dir,
+                    model_path=model_dir,
                     config={"worker": {"actor": {"model": {"lora": dataclasses.asdict(actor.model.lora)}}}},
                 )
         out["rng_probe"] = rng_probe()
     else:
-        path = find_checkpoint(args.run_dir, "auto")
+        path = find_checkpoint(run_dir, "auto")
         assert path is not None, "no checkpoint found"
         out["trainer_state"] = load_checkpoint(path, policy=policy, optim=optim, world=world)
         out["rng_probe"] = rng_probe()
@@ -152,7 +164,7 @@ def main() -> None:
     train_step(policy, optim, processor, max(SAVE_STEPS) + 1, world)
     out["params_after"] = snapshot(policy, optim)["params"]
     if world.rank == 0:
-        torch.save(out, args.out)
+        torch.save(out, out_path)
 
 
 if __name__ == "__main__":
