@@ -73,12 +73,23 @@ def check_hub(cfg: Config) -> None:
         check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
 
 
-def check_family(model_path: str) -> None:
-    """A model whose family is not supported stops here, naming the key and the supported families."""
+def check_family(cfg: Config) -> None:
+    """A model whose family is not supported stops here, naming the key and the supported families; so does
+    a rollout dtype vLLM cannot serve the family in on this device (Qwen3.5 on CPU: bfloat16 only)."""
+    model_path = cfg.worker.actor.model.model_path
     try:
-        family_of_model_path(model_path)
+        family = family_of_model_path(model_path)
     except ValueError as e:
         raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
+    if family is not None:
+        from spmd_grpo.models.build import resolve_dtype
+        from spmd_grpo.parallel.devices import resolve_device_type
+
+        device_type = resolve_device_type(cfg.trainer.device)
+        dtype = str(resolve_dtype(cfg.worker.rollout.dtype, device_type)).removeprefix("torch.")
+        error = family.rollout_dtype_error(dtype, device_type)
+        if error:
+            raise ConfigError(f"worker.rollout.dtype={cfg.worker.rollout.dtype}: {error}; set bfloat16")
 
 
 def check_lora_targets(cfg: Config) -> None:
@@ -108,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         validate(cfg, env_world_size())
         check_reward_imports(cfg)
         check_hub(cfg)
-        check_family(cfg.worker.actor.model.model_path)
+        check_family(cfg)
         check_lora_targets(cfg)
         check_versions()
         from spmd_grpo.run.lock import lock_run_dir, name_holder

@@ -208,7 +208,9 @@ def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offlo
         if hf.lm_head.weight is not hf.get_input_embeddings().weight:
             raise RuntimeError("tie_word_embeddings is set but lm_head and the embeddings are not tied")
         state.pop("lm_head.weight", None)  # not in the checkpoint: the embeddings' own tensor
-    load_safetensors_into(state, path, name_map=family_of(hf.config).on_disk_name)
+    family = family_of(hf.config)
+    fused = family.moe.is_fused_expert if family.moe is not None else None
+    load_safetensors_into(state, path, name_map=family.on_disk_name, is_fused_expert=fused)
     init_non_persistent_buffers(hf, world.device)
 
 

@@ -82,6 +82,14 @@ class TinyModelSpec:
     vocab_merges: int = 200
     init_std: float = 0.02
     head_logit_std: float | None = None  # None: the head as HF's init draws it (initializer_range)
+    # Mixture-of-experts families (every layer sparse). The expert MLP width differs from hidden_size so that
+    # no expert tensor is square: a transposed expert then fails on shape instead of loading silently.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 48
+    # Hybrid (Gated DeltaNet) families: vLLM's CPU kernel needs key/value head dim 128.
+    linear_head_dim: int = 128
+    linear_num_heads: int = 2
 
     @property
     def head_dim(self) -> int:
@@ -137,9 +145,22 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out, safe_serialization=True)
+    _write_hub_layout(out, family)
     _save_processor(out, tokenizer, family)
     (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=1))
     return out
+
+
+def _write_hub_layout(out: Path, family) -> None:
+    """Rewrite the saved weights in the published layout where transformers saves another one (Qwen3-VL-MoE's
+    fused experts: `save_pretrained` writes its memory layout, which vLLM refuses)."""
+    if family.moe is None or not family.moe.hub_transposed:
+        return
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = {k: family.hub_layout(k, v).contiguous() for k, v in load_file(str(path)).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _draw_head(model, spec: TinyModelSpec) -> None:
@@ -162,15 +183,18 @@ def _draw_head(model, spec: TinyModelSpec) -> None:
         weight.copy_(torch.randn(weight.shape, generator=generator) * std)
 
 
-def _mrope_section(head_dim: int) -> list[int]:
-    half = head_dim // 2
+def _mrope_section(rotary_dim: int) -> list[int]:
+    half = rotary_dim // 2
     return [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
 
 
 def _text_config(spec: TinyModelSpec, family, ids: dict[str, int], vocab_size: int) -> dict:
-    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": _mrope_section(spec.head_dim)}
+    rotary_dim = int(spec.head_dim * family.partial_rotary_factor)
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": _mrope_section(rotary_dim)}
     if family.mrope_interleaved:
         rope["mrope_interleaved"] = True
+    if family.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = family.partial_rotary_factor
     text = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
@@ -188,6 +212,28 @@ def _text_config(spec: TinyModelSpec, family, ids: dict[str, int], vocab_size: i
     )
     if family.explicit_head_dim:
         text["head_dim"] = spec.head_dim
+    if family.moe is not None:
+        text.update(
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            norm_topk_prob=True,  # what transformers' router does; vLLM reads the flag
+        )
+        if family.moe.shared_expert:
+            text["shared_expert_intermediate_size"] = spec.moe_intermediate_size
+        else:
+            text.update(decoder_sparse_step=1, mlp_only_layers=[])
+    if family.linear_attention is not None:
+        layers = spec.num_hidden_layers
+        text.update(
+            linear_key_head_dim=spec.linear_head_dim,
+            linear_value_head_dim=spec.linear_head_dim,
+            linear_num_key_heads=spec.linear_num_heads,
+            linear_num_value_heads=spec.linear_num_heads,
+            linear_conv_kernel_dim=4,
+            # every other layer full attention, the last one included (published: every 4th)
+            layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(layers)],
+        )
     return text
 
 
@@ -196,8 +242,10 @@ def _vision_config(spec: TinyModelSpec, family) -> dict:
     a DeepStack tower (Qwen3-VL) feeds every block to the language model, as far as it has layers."""
     width, depth = spec.vision_hidden_size, spec.vision_depth
     extra = {}
+    if family.patch_size == 16:  # the Qwen3-VL tower: learnt position embeddings, a square count
+        extra["position_embeddings"] = 144
     if family.deepstack:
-        extra = dict(deepstack=range(min(depth, spec.num_hidden_layers)), position_embeddings=144)
+        extra["deepstack"] = range(min(depth, spec.num_hidden_layers))
     layout = family.vision_layout(depth, width, 2 * width, spec.vision_num_heads, spec.hidden_size, **extra)
     return dict(
         layout,
