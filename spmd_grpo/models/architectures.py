@@ -10,8 +10,10 @@ rows (30B-A3B: 48 layers of 128 experts, top 8, expert MLP 768; 235B-A22B: 94 la
 MLP 1536) are checked the same way. Qwen3.5-35B-A3B takes the values transformers 5.19's
 `Qwen3_5MoeTextConfig` defaults to (its docstring names that checkpoint: 40 layers, 256 experts, 8 per
 token, expert MLP 512 plus a shared expert of 512); no model card was at hand offline to check its count
-(`UNCHECKED_SIZES`). No Qwen3.5 dense size is listed: none of their config.json values could be checked
-offline.
+(`UNCHECKED_SIZES`). Qwen3.5-9B likewise takes transformers' `Qwen3_5TextConfig` defaults, which its
+docstring calls the Qwen3.5-9B style (hidden 4096, 32 layers, MLP 12288, 16 heads of 256, 4 KV heads;
+linear attention 16 key / 32 value heads of 128), unchecked as well. The other Qwen3.5 sizes (0.8B to 27B,
+122B-A10B, 397B-A17B) are not listed: nothing offline gives their config.json values.
 
 This module imports neither torch nor transformers.
 """
@@ -148,7 +150,7 @@ def qwen3_5_vision(
     return dict(tower, num_position_embeddings=position_embeddings, deepstack_visual_indexes=[])
 
 
-def _qwen3_5_text(hidden: int, layers: int, heads: int, kv: int, linear_heads: tuple[int, int]) -> dict:
+def qwen3_5_text(hidden: int, layers: int, heads: int, kv: int, linear_heads: tuple[int, int]) -> dict:
     """Qwen3.5's hybrid language model: head_dim 256 with 1/4 of it rotating (interleaved mrope
     [11, 11, 10] over the 64 rotating dims), every 4th layer full attention and the others Gated DeltaNet
     with key/value head dim 128 (`linear_heads`: key heads, value heads), conv kernel 4, vocab 248320."""
@@ -207,7 +209,7 @@ QWEN3_5_MOE_ROWS: tuple[Published, ...] = (
     Published(
         "Qwen/Qwen3.5-35B-A3B",
         dict(
-            _qwen3_5_text(2048, 40, 16, 2, (16, 32)),
+            qwen3_5_text(2048, 40, 16, 2, (16, 32)),
             moe_intermediate_size=512,
             shared_expert_intermediate_size=512,
             num_experts=256,
@@ -232,6 +234,14 @@ SIZES_B: dict[str, float] = {
     "Qwen/Qwen3-VL-235B-A22B-Instruct": 236,
 }
 """Published model sizes in billions of parameters (the model cards' figures), checked against the table."""
-UNCHECKED_SIZES: frozenset[str] = frozenset({"Qwen/Qwen3.5-35B-A3B"})
+UNCHECKED_SIZES: frozenset[str] = frozenset({"Qwen/Qwen3.5-9B", "Qwen/Qwen3.5-35B-A3B"})
 """Rows whose parameter count could not be checked against a model card here (no card offline); the table
-builds them from transformers' own defaults for that checkpoint (35.1B by the table)."""
+builds them from transformers' own defaults (9.4B and 35.1B by the table's count)."""
+QWEN3_5_ROWS: tuple[Published, ...] = (
+    Published(
+        "Qwen/Qwen3.5-9B",
+        dict(qwen3_5_text(4096, 32, 16, 4, (16, 32)), intermediate_size=12288),
+        qwen3_5_vision(27, 1152, 4304, 16, 4096),
+        False,
+    ),
+)

@@ -52,6 +52,7 @@ from spmd_grpo.models.architectures import (
     QWEN2_5_VL_ROWS,
     QWEN2_VL_ROWS,
     QWEN3_5_MOE_ROWS,
+    QWEN3_5_ROWS,
     QWEN3_VL_MOE_ROWS,
     QWEN3_VL_ROWS,
     Published,
@@ -338,6 +339,7 @@ QWEN3_5 = Family(
     mrope_interleaved=True,
     partial_rotary_factor=0.25,
     linear_attention=LinearAttention(module_class="Qwen3_5GatedDeltaNet"),
+    published=QWEN3_5_ROWS,
 )
 QWEN3_5_MOE = Family(
     name="Qwen3.5-MoE",

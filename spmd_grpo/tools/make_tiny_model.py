@@ -1,5 +1,5 @@
-"""Build a tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with no download: model, tokenizer, chat
-template, processor.
+"""Build a tiny random checkpoint of any supported family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5,
+Qwen3.5-MoE) with no download: model, tokenizer, chat template, processor.
 
     python -m spmd_grpo.tools.make_tiny_model OUT_DIR [--family qwen3_vl] [--seed S] [--tie-word-embeddings] ...
 
@@ -9,7 +9,12 @@ Deterministic for a seed (same bytes for the same seed and options). `--family` 
 `spmd_grpo.models.families` (default qwen2_5_vl).
 
 Constraints from vLLM's CPU backend: its attention supports only some head sizes (32, 64, 80, ...), so
-head_dim is 32 or 64, and mrope_section must sum to head_dim / 2.
+head_dim is 32 or 64, and mrope_section must sum to the rotating dims / 2 (head_dim / 2; Qwen3.5 rotates a
+quarter). MoE families: every layer sparse, `num_experts` (8) experts, top `num_experts_per_tok` (2),
+renormalised; the expert width (48) differs from hidden_size so no expert tensor is square, and the file
+holds the published expert layout (`save_model`). Qwen3.5 families: linear-attention and full-attention
+layers alternate, and the Gated DeltaNet key/value head dim is 128, the only one vLLM's CPU kernel takes
+(which also runs only in bf16: serve these with `dtype=bfloat16`).
 """
 
 from __future__ import annotations
@@ -144,20 +149,23 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         _draw_head(model, spec)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out, safe_serialization=True)
-    _write_hub_layout(out, family)
+    save_model(model, out)
     _save_processor(out, tokenizer, family)
     (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=1))
     return out
 
 
-def _write_hub_layout(out: Path, family) -> None:
-    """Rewrite the saved weights in the published layout where transformers saves another one (Qwen3-VL-MoE's
-    fused experts: `save_pretrained` writes its memory layout, which vLLM refuses)."""
-    if family.moe is None or not family.moe.hub_transposed:
-        return
+def save_model(model, out: Path) -> None:
+    """`save_pretrained`, then the weights rewritten in the published layout where transformers saves another
+    one (Qwen3-VL-MoE's fused experts: `save_pretrained` writes its memory layout, which vLLM refuses)."""
     from safetensors.torch import load_file, save_file
 
+    from spmd_grpo.models.families import family_of
+
+    model.save_pretrained(out, safe_serialization=True)
+    family = family_of(model.config)
+    if family.moe is None or not family.moe.hub_transposed:
+        return
     path = out / "model.safetensors"
     tensors = {k: family.hub_layout(k, v).contiguous() for k, v in load_file(str(path)).items()}
     save_file(tensors, str(path), metadata={"format": "pt"})
