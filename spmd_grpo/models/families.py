@@ -82,11 +82,9 @@ class MoE:
     experts_class: str
     router_class: str
     hub_transposed: bool
-    """The published checkpoints (and vLLM's loader) hold the fused expert tensors transposed relative to
-    transformers' memory: `gate_up_proj` [E, H, 2 x I], `down_proj` [E, I, H] (Qwen3-VL-MoE). vLLM reads only
-    that layout for such a family, so the weight push and the HF export transpose, and the loader transposes
-    back. False: the in-memory layout is the hub's (Qwen3.5-MoE, whose published files hold one tensor per
-    expert, `experts.{e}.gate_proj.weight` ..., which vLLM and transformers also read)."""
+    """Published checkpoints and vLLM hold the fused experts transposed ([E, H, 2 x I], [E, I, H]; Qwen3-VL-MoE):
+    the push and the export transpose (`Family.hub_layout`). False: vLLM reads the memory layout (Qwen3.5-MoE,
+    whose published files hold one tensor per expert)."""
     shared_expert: bool = False
     """A dense shared expert with a sigmoid gate runs beside the routed experts (Qwen3.5-MoE)."""
     block: str = "mlp"
@@ -101,13 +99,8 @@ class MoE:
 
 @dataclass(frozen=True)
 class LinearAttention:
-    """The Gated DeltaNet (linear attention) layers of a hybrid language model.
-
-    `text_config.layer_types` says per decoder layer `linear_attention` or `full_attention` (published
-    Qwen3.5: every 4th layer full). A linear-attention layer keeps a recurrent state [heads, dk, dv] and a
-    causal depth-wise convolution (kernel `linear_conv_kernel_dim`) over its q/k/v projections instead of a
-    KV cache; both must restart at every sequence start of a packed row.
-    """
+    """The Gated DeltaNet layers of a hybrid model (`text_config.layer_types`: `linear_attention` or
+    `full_attention`). Their recurrent state and causal convolution restart at each packed sequence."""
 
     module: str = "linear_attn"
     """The layer's attribute holding the Gated DeltaNet (full-attention layers hold `self_attn`)."""
@@ -146,6 +139,9 @@ class Family:
     """The sparse MLP of a mixture-of-experts language model (None: dense MLPs)."""
     linear_attention: LinearAttention | None = None
     """Gated DeltaNet layers mixed with full-attention layers (Qwen3.5; None: full attention everywhere)."""
+    video_timestamps: bool = False
+    """Each temporal patch of a video is its own frame group behind a timestamp in the text (the Qwen3
+    generation); its mrope positions are laid out per frame group (`video_rope_index(frames_split=...)`)."""
     partial_rotary_factor: float = 1.0
     """The share of each attention head's dimensions that rotate (Qwen3.5: 0.25); mrope_section sums to
     head_dim x this / 2."""
@@ -195,9 +191,15 @@ class Family:
         """The language model's decoder layers (an nn.ModuleList, replaceable in place)."""
         return hf_model.model.language_model.layers
 
-    @staticmethod
     def position_ids(
-        hf_model, input_ids, attention_mask, image_grid_thw, *, video_grid_thw=None, second_per_grid_ts=None
+        self,
+        hf_model,
+        input_ids,
+        attention_mask,
+        image_grid_thw,
+        *,
+        video_grid_thw=None,
+        second_per_grid_ts=None,
     ):
         """[3, B, L] mrope positions of right-padded prompt + response sequences (what vLLM uses). Without
         videos: the model's `get_rope_index` (image pad tokens typed 1). With videos: `video_rope_index`,
@@ -217,7 +219,7 @@ class Family:
                 image_grid_thw,
                 video_grid_thw,
                 second_per_grid_ts,
-                frames_split=config.model_type == "qwen3_vl",
+                frames_split=self.video_timestamps,
             )
         mm_token_type_ids = (input_ids == config.image_token_id).to(torch.int32)
         position_ids, _ = hf_model.model.get_rope_index(
@@ -290,6 +292,7 @@ QWEN2_5_VL = Family(
     published=QWEN2_5_VL_ROWS,
 )
 QWEN3_VL = Family(
+    video_timestamps=True,
     name="Qwen3-VL",
     model_type="qwen3_vl",
     model_class="Qwen3VLForConditionalGeneration",
@@ -305,6 +308,7 @@ QWEN3_VL = Family(
     published=QWEN3_VL_ROWS,
 )
 QWEN3_VL_MOE = Family(
+    video_timestamps=True,
     name="Qwen3-VL-MoE",
     model_type="qwen3_vl_moe",
     model_class="Qwen3VLMoeForConditionalGeneration",
@@ -326,6 +330,7 @@ QWEN3_VL_MOE = Family(
     published=QWEN3_VL_MOE_ROWS,
 )
 QWEN3_5 = Family(
+    video_timestamps=True,
     name="Qwen3.5",
     model_type="qwen3_5",
     model_class="Qwen3_5ForConditionalGeneration",
@@ -342,6 +347,7 @@ QWEN3_5 = Family(
     published=QWEN3_5_ROWS,
 )
 QWEN3_5_MOE = Family(
+    video_timestamps=True,
     name="Qwen3.5-MoE",
     model_type="qwen3_5_moe",
     model_class="Qwen3_5MoeForConditionalGeneration",
