@@ -179,3 +179,27 @@ def test_qwen3_5_on_cpu_needs_a_bf16_rollout(capsys):
         "config error: worker.rollout.dtype=float32: Qwen3.5's linear-attention layers run in vLLM's CPU build "
         "only in bfloat16 (got float32); set bfloat16"
     )
+
+
+def test_the_export_writes_the_published_expert_layout(tmp_path):
+    """A checkpoint of the policy (transformers' memory layout, as the trainer saves it) exports to exactly
+    the hub-layout file the tiny model was built from: transposed fused experts, every other tensor as is."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from spmd_grpo.run.export import export_hf
+
+    src = tiny_model(family="qwen3_vl_moe")
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
+    ckpt = tmp_path / "global_step_1"
+    dcp.save(
+        {f"model.hf.{k}": v for k, v in model.state_dict().items()}, checkpoint_id=str(ckpt), no_dist=True
+    )
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "model_path": str(src)}))
+    out = export_hf(ckpt, tmp_path / "hf", "float32")
+    exported, published = load_file(str(out / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    assert exported.keys() == published.keys()
+    assert all(torch.equal(exported[k], published[k]) for k in published)
