@@ -10,8 +10,10 @@ run/start.py); a problem in either prints one line on stderr and exits with code
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError, check_hub_reachable
 from spmd_grpo.config.loader import load_config
@@ -81,6 +83,11 @@ def check_family(cfg: Config) -> None:
         family = family_of_model_path(model_path)
     except ValueError as e:
         raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
+    config = Path(model_path) / "config.json"
+    if family is not None and config.is_file():
+        error = family.checkpoint_config_error(json.loads(config.read_text()))
+        if error:
+            raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {config}: {error}")
     if family is not None:
         from spmd_grpo.models.build import resolve_dtype
         from spmd_grpo.parallel.devices import resolve_device_type

@@ -1,5 +1,7 @@
-"""The published architectures the `--dry-run` knows offline: the values of each checkpoint's config.json,
-and the layout helpers (vision towers, text models) that both those rows and the tiny-model builder use.
+"""The architecture pieces a family is made of and the published architectures the `--dry-run` knows
+offline: `MoE` (where the sparse MLP sits, its expert layout), `LinearAttention` (Gated DeltaNet layers), the
+layout helpers (vision towers, text models) that both the published rows and the tiny-model builder use, and
+the values of each published checkpoint's config.json.
 
 Each row's parameter count, built on the meta device, must equal its published model size (`SIZES_B`,
 tested), which catches a wrong width or depth. The two 2B rows were not read from a published config.json
@@ -22,6 +24,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Where a family's sparse MLP lives and how its experts are laid out, for everything that treats experts
+    apart from dense layers (weight layout, LoRA targets, grouped GEMM, expert parallelism, routing replay).
+
+    In every decoder layer `block` (relative to the layer) is the sparse MLP module; its `experts` child holds
+    the stacked expert weights as two 3-D parameters, `gate_up_proj` [E, 2 x I, H] (gate rows first, then up
+    rows, the order vLLM splits them in) and `down_proj` [E, H, I], in transformers' in-memory layout; its
+    `router` child is the token-choice top-k router (`weight` [E, H]: softmax in fp32, top-k, the top-k
+    probabilities renormalised to sum 1; no capacity, so no token is ever dropped).
+    """
+
+    block_class: str
+    """transformers class name of the sparse MLP block (what expert parallelism would wrap)."""
+    experts_class: str
+    router_class: str
+    hub_transposed: bool
+    """Published checkpoints and vLLM hold the fused experts transposed ([E, H, 2 x I], [E, I, H]; Qwen3-VL-MoE):
+    the push and the export transpose (`Family.hub_layout`). False: vLLM reads the memory layout (Qwen3.5-MoE,
+    whose published files hold one tensor per expert)."""
+    shared_expert: bool = False
+    """A dense shared expert with a sigmoid gate runs beside the routed experts (Qwen3.5-MoE)."""
+    block: str = "mlp"
+    experts: str = "mlp.experts"
+    router: str = "mlp.gate"
+    expert_weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
+
+    def is_fused_expert(self, name: str) -> bool:
+        """Whether the parameter `name` is one of the stacked 3-D expert tensors."""
+        return any(name.endswith(f".{self.experts}.{w}") for w in self.expert_weights)
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet layers of a hybrid model (`text_config.layer_types`: `linear_attention` or
+    `full_attention`). Their recurrent state and causal convolution restart at each packed sequence."""
+
+    module: str = "linear_attn"
+    """The layer's attribute holding the Gated DeltaNet (full-attention layers hold `self_attn`)."""
+    module_class: str = ""
+    vllm_cpu_dtype: str = "bfloat16"
+    """vLLM's CPU Gated DeltaNet kernel runs only in this dtype (and with a key/value head dim of 128)."""
+    vllm_cpu_head_dim: int = 128
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ from spmd_grpo.models.architectures import (
     QWEN3_5_ROWS,
     QWEN3_VL_MOE_ROWS,
     QWEN3_VL_ROWS,
+    LinearAttention,
+    MoE,
     Published,
     qwen2_5_vl_vision,
     qwen2_vl_vision,
@@ -63,51 +65,6 @@ from spmd_grpo.models.architectures import (
 )
 from spmd_grpo.models.architectures import SIZES_B as SIZES_B  # re-exported: the table's sizes
 from spmd_grpo.models.architectures import UNCHECKED_SIZES as UNCHECKED_SIZES
-
-
-@dataclass(frozen=True)
-class MoE:
-    """Where a family's sparse MLP lives and how its experts are laid out, for everything that treats experts
-    apart from dense layers (weight layout, LoRA targets, grouped GEMM, expert parallelism, routing replay).
-
-    In every decoder layer `block` (relative to the layer) is the sparse MLP module; its `experts` child holds
-    the stacked expert weights as two 3-D parameters, `gate_up_proj` [E, 2 x I, H] (gate rows first, then up
-    rows, the order vLLM splits them in) and `down_proj` [E, H, I], in transformers' in-memory layout; its
-    `router` child is the token-choice top-k router (`weight` [E, H]: softmax in fp32, top-k, the top-k
-    probabilities renormalised to sum 1; no capacity, so no token is ever dropped).
-    """
-
-    block_class: str
-    """transformers class name of the sparse MLP block (what expert parallelism would wrap)."""
-    experts_class: str
-    router_class: str
-    hub_transposed: bool
-    """Published checkpoints and vLLM hold the fused experts transposed ([E, H, 2 x I], [E, I, H]; Qwen3-VL-MoE):
-    the push and the export transpose (`Family.hub_layout`). False: vLLM reads the memory layout (Qwen3.5-MoE,
-    whose published files hold one tensor per expert)."""
-    shared_expert: bool = False
-    """A dense shared expert with a sigmoid gate runs beside the routed experts (Qwen3.5-MoE)."""
-    block: str = "mlp"
-    experts: str = "mlp.experts"
-    router: str = "mlp.gate"
-    expert_weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
-
-    def is_fused_expert(self, name: str) -> bool:
-        """Whether the parameter `name` is one of the stacked 3-D expert tensors."""
-        return any(name.endswith(f".{self.experts}.{w}") for w in self.expert_weights)
-
-
-@dataclass(frozen=True)
-class LinearAttention:
-    """The Gated DeltaNet layers of a hybrid model (`text_config.layer_types`: `linear_attention` or
-    `full_attention`). Their recurrent state and causal convolution restart at each packed sequence."""
-
-    module: str = "linear_attn"
-    """The layer's attribute holding the Gated DeltaNet (full-attention layers hold `self_attn`)."""
-    module_class: str = ""
-    vllm_cpu_dtype: str = "bfloat16"
-    """vLLM's CPU Gated DeltaNet kernel runs only in this dtype (and with a key/value head dim of 128)."""
-    vllm_cpu_head_dim: int = 128
 
 
 @dataclass(frozen=True)
@@ -247,6 +204,14 @@ class Family:
         if self.moe is not None and self.moe.hub_transposed and self.moe.is_fused_expert(name):
             return tensor.transpose(-1, -2)
         return tensor
+
+    def checkpoint_config_error(self, config: dict) -> str | None:
+        """Why a checkpoint's config.json would make vLLM compute another model than the trainer, or None.
+        transformers' routers renormalise the top-k probabilities whatever `norm_topk_prob` says; vLLM obeys
+        it: `false` gives every MoE layer output scaled by the top-k mass in vLLM only."""
+        if self.moe is not None and config.get("text_config", {}).get("norm_topk_prob") is False:
+            return "text_config.norm_topk_prob is false, but transformers always renormalises the top-k"
+        return None
 
     def rollout_dtype_error(self, dtype: str, device_type: str) -> str | None:
         """Why vLLM cannot serve this family in `dtype` on `device_type`, or None when it can."""

@@ -203,3 +203,23 @@ def test_the_export_writes_the_published_expert_layout(tmp_path):
     exported, published = load_file(str(out / "model.safetensors")), load_file(str(src / "model.safetensors"))
     assert exported.keys() == published.keys()
     assert all(torch.equal(exported[k], published[k]) for k in published)
+
+
+def test_a_moe_checkpoint_that_vllm_would_route_differently_is_refused(tmp_path, capsys):
+    """transformers' MoE routers always renormalise the top-k probabilities; vLLM follows norm_topk_prob."""
+    import shutil
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model(family="qwen3_vl_moe"), d)
+    config = json.loads((d / "config.json").read_text())
+    config["text_config"]["norm_topk_prob"] = False
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit):
+        main(["configs/smoke.yaml", f"worker.actor.model.model_path={d}"])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "config.json: text_config.norm_topk_prob is false, but transformers always renormalises the top-k"
+        )
+    )
