@@ -44,8 +44,8 @@ class MoE:
     router_class: str
     hub_transposed: bool
     """Published checkpoints and vLLM hold the fused experts transposed ([E, H, 2 x I], [E, I, H]; Qwen3-VL-MoE):
-    the push and the export transpose (`Family.hub_layout`). False: vLLM reads the memory layout (Qwen3.5-MoE,
-    whose published files hold one tensor per expert)."""
+    the push and the export transpose (`Family.hub_tensors`). False: the published files hold one tensor per
+    expert (`experts.{e}.gate_proj.weight`, ...; Qwen3.5-MoE), and the push and the export split them so."""
     shared_expert: bool = False
     """A dense shared expert with a sigmoid gate runs beside the routed experts (Qwen3.5-MoE)."""
     block: str = "mlp"

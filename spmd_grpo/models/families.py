@@ -30,7 +30,8 @@ built) and never checks a model type itself. A family says:
   * its sparse MLP (`MoE`: the module classes of the block, experts and router, for what treats experts
     apart, and the fused expert layout: Qwen3-VL-MoE's published checkpoints, and vLLM, hold
     `gate_up_proj`/`down_proj` transposed relative to transformers' memory, so the weight push and the
-    export apply `hub_layout` and the loader transposes back; Qwen3.5-MoE's hold one tensor per expert);
+    export apply `hub_tensors` and the loader transposes back; Qwen3.5-MoE's hold one tensor per expert,
+    which the push and the export write too);
   * its linear-attention layers (`LinearAttention`, Qwen3.5's Gated DeltaNet in `layer_types`), which a
     packed row must restart at every sequence (`linear_attention.py`) and which vLLM's CPU build serves in
     bf16 only (`rollout_dtype_error`);
@@ -197,13 +198,24 @@ class Family:
             return name.removeprefix("model.")
         return name
 
-    def hub_layout(self, name: str, tensor):
-        """`tensor` (the parameter `name` in transformers' memory layout) in the layout published checkpoints
-        and vLLM's loader use: the fused expert tensors of a `hub_transposed` MoE family transposed (a view),
-        everything else as is. Its own inverse: `hub_layout(name, hub_layout(name, t))` is `t`."""
-        if self.moe is not None and self.moe.hub_transposed and self.moe.is_fused_expert(name):
-            return tensor.transpose(-1, -2)
-        return tensor
+    def hub_tensors(self, name: str, tensor):
+        """`(name, tensor)` pairs of the parameter `name` (transformers' memory layout) as the published
+        checkpoints hold it and vLLM's loader reads it: a `hub_transposed` MoE family's fused experts
+        transposed (views), a `hub_per_expert` one's split into one tensor per expert, everything else as is."""
+        moe = self.moe
+        if moe is None or not moe.is_fused_expert(name):
+            yield name, tensor
+        elif moe.hub_transposed:
+            yield name, tensor.transpose(-1, -2)
+        else:  # one tensor per expert: gate_up_proj [E, 2I, H] -> gate, up [I, H]; down_proj [E, H, I]
+            prefix, weight = name.rsplit(".", 1)
+            for e in range(tensor.shape[0]):
+                if weight == "gate_up_proj":
+                    gate, up = tensor[e].chunk(2)
+                    yield f"{prefix}.{e}.gate_proj.weight", gate
+                    yield f"{prefix}.{e}.up_proj.weight", up
+                else:
+                    yield f"{prefix}.{e}.down_proj.weight", tensor[e]
 
     def checkpoint_config_error(self, config: dict) -> str | None:
         """Why a checkpoint's config.json would make vLLM compute another model than the trainer, or None.

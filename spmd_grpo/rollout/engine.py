@@ -141,8 +141,8 @@ class RolloutEngine:
             **(vllm_lora_kwargs(adapter_lora) if adapter_lora else {}),
         )
         self.adapters = AdapterSync(adapter_lora) if adapter_lora else None
-        # the layout vLLM's loader reads (Qwen3-VL-MoE: transposed fused experts)
-        self.weight_layout = family_of(self.llm.llm_engine.model_config.hf_config).hub_layout
+        # the tensors vLLM's loader reads (Qwen3-VL-MoE: transposed experts; Qwen3.5-MoE: one per expert)
+        self.weight_layout = family_of(self.llm.llm_engine.model_config.hf_config).hub_tensors
         self.stats = EngineStats()  # dummy weights: the first rollout_mode pushes every weight
         self.asleep = False
 

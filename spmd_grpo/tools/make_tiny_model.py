@@ -156,18 +156,21 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
 
 
 def save_model(model, out: Path) -> None:
-    """`save_pretrained`, then the weights rewritten in the published layout where transformers saves another
-    one (Qwen3-VL-MoE's fused experts: `save_pretrained` writes its memory layout, which vLLM refuses)."""
+    """`save_pretrained`, then the weights rewritten in the published expert layout where transformers saves
+    another one (Qwen3-VL-MoE's fused experts: `save_pretrained` writes its memory layout, which vLLM refuses;
+    Qwen3.5-MoE's per-expert tensors are already what `save_pretrained` writes)."""
     from safetensors.torch import load_file, save_file
 
     from spmd_grpo.models.families import family_of
 
     model.save_pretrained(out, safe_serialization=True)
     family = family_of(model.config)
-    if family.moe is None or not family.moe.hub_transposed:
+    if family.moe is None:
         return
     path = out / "model.safetensors"
-    tensors = {k: family.hub_layout(k, v).contiguous() for k, v in load_file(str(path)).items()}
+    tensors = {
+        n: t.contiguous() for k, v in load_file(str(path)).items() for n, t in family.hub_tensors(k, v)
+    }
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 

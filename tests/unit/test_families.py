@@ -38,17 +38,23 @@ def test_six_families_with_their_patch_sizes():
     assert [k for k, f in FAMILIES.items() if f.deepstack] == ["qwen3_vl", "qwen3_vl_moe"]
 
 
-def test_only_qwen3_vl_moe_experts_are_transposed_on_the_way_out():
+def test_experts_go_out_in_the_published_layout_and_nothing_else_changes():
     t = torch.arange(2 * 6 * 4.0).reshape(2, 6, 4)
-    expert = "model.language_model.layers.3.mlp.experts.gate_up_proj"
-    assert QWEN3_VL_MOE.hub_layout(expert, t).shape == (2, 4, 6)
-    assert torch.equal(QWEN3_VL_MOE.hub_layout(expert, QWEN3_VL_MOE.hub_layout(expert, t)), t)
+    experts = "model.language_model.layers.3.mlp.experts"
+    ((name, out),) = QWEN3_VL_MOE.hub_tensors(f"{experts}.gate_up_proj", t)
+    assert name == f"{experts}.gate_up_proj" and torch.equal(out, t.transpose(1, 2))
+    split = dict(QWEN3_5_MOE.hub_tensors(f"{experts}.gate_up_proj", t))
+    assert list(split) == [f"{experts}.{e}.{w}_proj.weight" for e in (0, 1) for w in ("gate", "up")]
+    assert torch.equal(split[f"{experts}.1.up_proj.weight"], t[1, 3:])
+    assert list(dict(QWEN3_5_MOE.hub_tensors(f"{experts}.down_proj", t))) == [
+        f"{experts}.0.down_proj.weight",
+        f"{experts}.1.down_proj.weight",
+    ]
     for family, name in [
         (QWEN3_VL_MOE, "model.language_model.layers.3.mlp.gate.weight"),
-        (QWEN3_5_MOE, expert),
         (QWEN3_VL, "model.language_model.layers.3.mlp.up_proj.weight"),
     ]:
-        assert family.hub_layout(name, t) is t
+        assert list(family.hub_tensors(name, t)) == [(name, t)]
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -83,8 +89,8 @@ def test_tiny_model_has_what_vllm_cpu_needs(family):
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
 def test_experts_load_from_the_file_layout_and_push_in_the_hub_layout(family):
     """The loader fills transformers' expert layout from the file's (transposed / per expert) exactly as
-    `from_pretrained` does, and the weight stream gives back every tensor of a hub-layout file unchanged:
-    a transposed expert would fail both on shape (the experts are not square)."""
+    `from_pretrained` does, and the weight stream gives back every tensor of the published-layout file, bit
+    for bit: a transposed expert would fail both on shape (the experts are not square)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
@@ -99,14 +105,11 @@ def test_experts_load_from_the_file_layout_and_push_in_the_hub_layout(family):
     for k, v in want.state_dict().items():
         assert torch.equal(state[k], v), k
     pushed = dict(
-        iter_sharded_weights(want, torch.float32, 1 << 20, tie_word_embeddings=False, layout=fam.hub_layout)
+        iter_sharded_weights(want, torch.float32, 1 << 20, tie_word_embeddings=False, layout=fam.hub_tensors)
     )
-    if family == "qwen3_vl_moe":
-        on_disk = load_file(str(d / "model.safetensors"))
-        assert pushed.keys() == on_disk.keys()
-        assert all(torch.equal(pushed[k], on_disk[k]) for k in on_disk)
-    else:  # stacked as in memory: vLLM and transformers read these besides the per-expert names
-        assert pushed["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 96, 64)
+    on_disk = load_file(str(d / "model.safetensors"))
+    assert pushed.keys() == on_disk.keys()
+    assert all(torch.equal(pushed[k], on_disk[k]) for k in on_disk)
 
 
 @pytest.mark.parametrize("family", [QWEN2_VL, QWEN2_5_VL])
@@ -181,9 +184,11 @@ def test_qwen3_5_on_cpu_needs_a_bf16_rollout(capsys):
     )
 
 
-def test_the_export_writes_the_published_expert_layout(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_the_export_writes_the_published_expert_layout(tmp_path, family):
     """A checkpoint of the policy (transformers' memory layout, as the trainer saves it) exports to exactly
-    the hub-layout file the tiny model was built from: transposed fused experts, every other tensor as is."""
+    the published-layout file the tiny model was built from (Qwen3-VL-MoE's transposed fused experts,
+    Qwen3.5-MoE's one tensor per expert), every other tensor as is."""
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -192,7 +197,7 @@ def test_the_export_writes_the_published_expert_layout(tmp_path):
 
     from spmd_grpo.run.export import export_hf
 
-    src = tiny_model(family="qwen3_vl_moe")
+    src = tiny_model(family=family)
     model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
     ckpt = tmp_path / "global_step_1"
     dcp.save(
