@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM CPU takes most of the host
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -128,10 +129,12 @@ def main() -> None:
         res["sampled_diff"] = max(res["sampled_diff"], (ours - sampled).abs().max().item())
         vllm_routes.clear()
         forced = llm.generate(
-            [TokensPrompt(prompt_token_ids=full, multi_modal_data={"image": image})],
+            # the unexpanded prompt (one image pad) + the response: vLLM expands the image as before
+            [TokensPrompt(prompt_token_ids=ids + response, multi_modal_data={"image": image})],
             SamplingParams(max_tokens=1, prompt_logprobs=0),
             use_tqdm=False,
         )[0]
+        assert list(forced.prompt_token_ids) == full, "teacher-forced sequence differs"
         theirs = torch.tensor(
             [forced.prompt_logprobs[num_prompt + j][t].logprob for j, t in enumerate(response)]
         )

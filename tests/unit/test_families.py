@@ -77,9 +77,9 @@ def test_tiny_model_has_what_vllm_cpu_needs(family):
         assert text.moe_intermediate_size != text.hidden_size
     if family == "qwen3_vl_moe":
         assert text.decoder_sparse_step == 1 and text.mlp_only_layers == []
-        assert shapes[f"{layer}.gate_up_proj"] == (8, 64, 96) and shapes[f"{layer}.down_proj"] == (8, 48, 64)
+        assert shapes[f"{layer}.gate_up_proj"] == (8, 64, 192) and shapes[f"{layer}.down_proj"] == (8, 96, 64)
     if family == "qwen3_5_moe":  # what save_pretrained writes and the published checkpoints hold
-        assert shapes[f"{layer}.7.gate_proj.weight"] == (48, 64) and f"{layer}.gate_up_proj" not in shapes
+        assert shapes[f"{layer}.7.gate_proj.weight"] == (96, 64) and f"{layer}.gate_up_proj" not in shapes
     if FAMILIES[family].linear_attention:
         assert set(text.layer_types) == {"linear_attention", "full_attention"}
         assert text.linear_key_head_dim == text.linear_value_head_dim == 128
