@@ -3,6 +3,11 @@ sequences fed back teacher-forced (prompt_logprobs), a float64 transformers refe
 models the router's top-k agreement per token and layer between the two.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/moe_router_parity.py [--family F] [--dtype float32]
+        [--norm-topk-prob-false]
+
+`--norm-topk-prob-false` serves a copy whose config.json says `text_config.norm_topk_prob: false` (which the
+trainer refuses): transformers' router renormalises the top-k anyway, vLLM does not, and the difference
+shows what a checkpoint with that flag gives.
 
 Prints one `RESULT {json}` line:
   sampled_diff                 max |transformers - vLLM| over the sampled tokens' logprobs (sampling pass)
@@ -69,10 +74,23 @@ def route_agreement(hf_layers, vllm_layers, top_k: int, res: dict) -> None:
         res.setdefault("median_margin", margin.median().item())
 
 
+def _with_norm_topk_prob_false(model_dir: str) -> str:
+    import shutil
+    import tempfile
+
+    out = Path(tempfile.mkdtemp()) / "model"
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"]["norm_topk_prob"] = False
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", default="qwen3_vl_moe")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--norm-topk-prob-false", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM CPU takes most of the host
@@ -81,6 +99,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model_dir = str(cached_tiny_model(Path(".cache"), TinyModelSpec(family=args.family)))
+    if args.norm_topk_prob_false:
+        model_dir = _with_norm_topk_prob_false(model_dir)
     dtype = getattr(torch, args.dtype)
     processor = AutoProcessor.from_pretrained(model_dir)
     content = [{"type": "image"}, {"type": "text", "text": "Which color?"}]
@@ -146,7 +166,8 @@ def main() -> None:
             res["vllm_vs_fp64"] = max(res["vllm_vs_fp64"], (theirs - exact).abs().max().item())
         if family.moe:
             route_agreement(list(hf_routes), list(vllm_routes), top_k, res)
-    print("RESULT", json.dumps({"family": args.family, "dtype": args.dtype, **res}))
+    flag = {"norm_topk_prob": not args.norm_topk_prob_false}
+    print("RESULT", json.dumps({"family": args.family, "dtype": args.dtype, **flag, **res}))
 
 
 if __name__ == "__main__":
