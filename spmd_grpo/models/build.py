@@ -1,8 +1,9 @@
 """Policy and reference models: build a Qwen-VL model sharded from the start, FSDP2, optimizer and LR schedule.
 
-Which layers are sharded, which tower is frozen and how checkpoint names map is asked of the model's family
-(`families.family_of`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL); an unsupported model_type fails before anything is
-built.
+Which layers are sharded, which tower is frozen and how checkpoint names and expert layouts map is asked of
+the model's family (`families.family_of`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5, dense or MoE); an
+unsupported model_type fails before anything is built. MoE experts are sharded with their decoder layer
+(dim 0, the expert index: a rank reads only its experts' bytes).
 
 No rank ever holds a whole model. Each model is built on the meta device (no memory) from its config.json,
 frozen / wrapped for activation checkpointing, sharded with `fully_shard` (per vision block and per language
