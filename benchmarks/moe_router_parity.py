@@ -3,7 +3,11 @@ sequences fed back teacher-forced (prompt_logprobs), a float64 transformers refe
 models the router's top-k agreement per token and layer between the two.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/moe_router_parity.py [--family F] [--dtype float32]
-        [--norm-topk-prob-false]
+        [--norm-topk-prob-false] [--reload]
+
+`--reload` first pushes the checkpoint's own tensors back into the running engine with
+`reload_weights(is_checkpoint_format=True)`, the trainer's weight-sync call: the same numbers, so any change
+in the comparison is vLLM's reload path, not the weights.
 
 `--norm-topk-prob-false` serves a copy whose config.json says `text_config.norm_topk_prob: false` (which the
 trainer refuses): transformers' router renormalises the top-k anyway, vLLM does not, and the difference
@@ -91,6 +95,7 @@ def main() -> None:
     ap.add_argument("--family", default="qwen3_vl_moe")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--norm-topk-prob-false", action="store_true")
+    ap.add_argument("--reload", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM CPU takes most of the host
@@ -122,6 +127,16 @@ def main() -> None:
         seed=0,
         mm_processor_kwargs={"size": {"shortest_edge": 3136, "longest_edge": 262144}},
     )
+    if args.reload:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+        llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(tensors.items()), "is_checkpoint_format": True}
+        )
+        llm.reset_prefix_cache()
+        llm.reset_mm_cache()
+        llm.llm_engine.reset_encoder_cache()
     prompts = [TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": im}) for im in images]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=1.0, logprobs=0, seed=1))
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
@@ -134,8 +149,12 @@ def main() -> None:
         capture([m for n, m in vllm_model.named_modules() if n.endswith("mlp.gate")], vllm_routes)
     ref = None
     if dtype == torch.float32:
-        ref = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float64).eval()
-    res = {"sampled_diff": 0.0, "tf_diff": 0.0, "hf_vs_fp64": 0.0, "vllm_vs_fp64": 0.0}
+        # the experts' per-expert loop: torch's grouped_mm (transformers' default) has no float64
+        ref = AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=torch.float64, experts_implementation="eager"
+        ).eval()
+    res = {"sampled_diff": 0.0, "tf_diff": 0.0}
+    res.update(hf_vs_fp64=0.0 if ref is not None else None, vllm_vs_fp64=0.0 if ref is not None else None)
     res.update(route_total=0, route_disagree=0, margins_at_disagreement=[])
     for out, image in zip(outs, images, strict=True):
         enc = processor(text=[text], images=[image], return_tensors="pt")
@@ -166,7 +185,7 @@ def main() -> None:
             res["vllm_vs_fp64"] = max(res["vllm_vs_fp64"], (theirs - exact).abs().max().item())
         if family.moe:
             route_agreement(list(hf_routes), list(vllm_routes), top_k, res)
-    flag = {"norm_topk_prob": not args.norm_topk_prob_false}
+    flag = {"norm_topk_prob": not args.norm_topk_prob_false, "reload": args.reload}
     print("RESULT", json.dumps({"family": args.family, "dtype": args.dtype, **flag, **res}))
 
 
