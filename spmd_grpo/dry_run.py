@@ -329,9 +329,12 @@ def _memory_lines(cfg: Config, model: _Model, b: _Batches, device_memory_gb: flo
     a, r = cfg.worker.actor, cfg.worker.rollout
     est = _train_memory(cfg, model, b)
     text, tp, seq = model.text, b.tp, b.seq
-    kv_per_token = (
-        2 * text.num_hidden_layers * text.num_key_value_heads * model.head_dim * BF16 / tp
-    )  # this rank's heads
+    # this rank's heads, in the layers that keep a KV cache (a hybrid model's linear-attention layers keep a
+    # fixed-size state per sequence instead)
+    kv_layers = (getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers).count(
+        "full_attention"
+    )
+    kv_per_token = 2 * kv_layers * text.num_key_value_heads * model.head_dim * BF16 / tp
     vllm_weights = BF16 * model.num_params / tp
     budget = r.gpu_memory_utilization * device_memory_gb * GiB  # what vLLM reserves while awake
     kv_capacity = max(0.0, budget - vllm_weights)

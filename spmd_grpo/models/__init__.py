@@ -1,6 +1,9 @@
 """The policy model: families, building it sharded, loading weights, attention, and the forward pass.
 
-    families.py   what differs between Qwen2-VL, Qwen2.5-VL and Qwen3-VL (classes, towers, published sizes)
+    families.py   what differs between Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 (dense, MoE)
+    architectures.py  the published architectures (config values, sizes) and the tower/text layouts
+    expert_layout.py  read MoE expert tensors from the checkpoint's layout (transposed, per expert)
+    linear_attention.py  packed rows through Gated DeltaNet layers: restart at every sequence
     build.py      build a policy or reference model sharded from the start (meta init -> FSDP2 -> shard-true load)
     lora.py       LoRA adapters (PEFT): which layers, fp32 adapters on a frozen base, init, adapters off
     weights.py    read each rank's slice of a safetensors checkpoint; FSDP -> Hugging Face parameter names
@@ -44,14 +47,18 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "build_policy",
             "build_reference",
         ),
+        "architectures": ("MoE", "LinearAttention", "Published", "SIZES_B", "UNCHECKED_SIZES"),
+        "expert_layout": ("checkpoint_views",),
+        "linear_attention": ("split_packed_linear_attention",),
         "families": (
-            "Published",
             "Family",
             "QWEN2_VL",
             "QWEN2_5_VL",
             "QWEN3_VL",
+            "QWEN3_VL_MOE",
+            "QWEN3_5",
+            "QWEN3_5_MOE",
             "FAMILIES",
-            "SIZES_B",
             "PUBLISHED",
             "supported",
             "family_for_type",

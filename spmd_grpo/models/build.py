@@ -1,8 +1,9 @@
 """Policy and reference models: build a Qwen-VL model sharded from the start, FSDP2, optimizer and LR schedule.
 
-Which layers are sharded, which tower is frozen and how checkpoint names map is asked of the model's family
-(`families.family_of`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL); an unsupported model_type fails before anything is
-built.
+Which layers are sharded, which tower is frozen and how checkpoint names and expert layouts map is asked of
+the model's family (`families.family_of`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5, dense or MoE); an
+unsupported model_type fails before anything is built. MoE experts are sharded with their decoder layer
+(dim 0, the expert index: a rank reads only its experts' bytes).
 
 No rank ever holds a whole model. Each model is built on the meta device (no memory) from its config.json,
 frozen / wrapped for activation checkpointing, sharded with `fully_shard` (per vision block and per language
@@ -209,7 +210,9 @@ def fill_from_checkpoint(model: PolicyModule, path: Path, world: World, *, offlo
         if hf.lm_head.weight is not hf.get_input_embeddings().weight:
             raise RuntimeError("tie_word_embeddings is set but lm_head and the embeddings are not tied")
         state.pop("lm_head.weight", None)  # not in the checkpoint: the embeddings' own tensor
-    load_safetensors_into(state, path, name_map=family_of(hf.config).on_disk_name)
+    family = family_of(hf.config)
+    fused = family.moe.is_fused_expert if family.moe is not None else None
+    load_safetensors_into(state, path, name_map=family.on_disk_name, is_fused_expert=fused)
     init_non_persistent_buffers(hf, world.device)
 
 

@@ -1,11 +1,12 @@
-"""Model families: everything that differs between Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense), in one table.
+"""Model families: everything that differs between Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE), Qwen3.5
+and Qwen3.5-MoE, in one table.
 
 The rest of the package asks `family_of(hf_config)` (or `family_of_model_path(path)` before anything is
 built) and never checks a model type itself. A family says:
 
   * its transformers classes (model, config, processor) and its image patch size (14 for Qwen2-VL and
-    Qwen2.5-VL, 16 for Qwen3-VL; the spatial merge is 2 in all three, so one language-model token covers
-    28 x 28 or 32 x 32 pixels);
+    Qwen2.5-VL, 16 for the Qwen3 generation; the spatial merge is 2 in all, so one language-model token
+    covers 28 x 28 or 32 x 32 pixels);
   * where the vision tower, its blocks and the decoder layers sit in the HF model (the same attribute paths
     in transformers 5.x for all three: `model.visual`, `model.visual.blocks`, `model.language_model.layers`);
     the vision tower of Qwen3-VL also holds the DeepStack mergers and the learnt position embedding, so
@@ -22,9 +23,20 @@ built) and never checks a model type itself. A family says:
     `visual.*`), for Qwen3-VL the in-memory names. vLLM's `hf_to_vllm_mapper` of each family accepts the
     in-memory names, so the weight push sends those for every family;
   * the layout of its vision tower at any size (`vision_layout`) and its text-config particulars (explicit
-    head_dim, interleaved mrope, DeepStack), which both the published rows below and the tiny-model builder
-    (`spmd_grpo.tools.make_tiny_model`) use;
-  * the published architectures the `--dry-run` knows without the hub.
+    head_dim, interleaved mrope, DeepStack, partial rotary), which both the published rows
+    (`architectures`) and the tiny-model builder (`spmd_grpo.tools.make_tiny_model`) use. Qwen3.5 has
+    Qwen3-VL's tower without DeepStack and rotates a quarter of each head (partial rotary 0.25: its
+    mrope_section sums to head_dim / 8);
+  * its sparse MLP (`MoE`: the module classes of the block, experts and router, for what treats experts
+    apart, and the fused expert layout: Qwen3-VL-MoE's published checkpoints, and vLLM, hold
+    `gate_up_proj`/`down_proj` transposed relative to transformers' memory, so the weight push and the
+    export apply `hub_tensors` and the loader transposes back; Qwen3.5-MoE's hold one tensor per expert,
+    which the push and the export write too);
+  * its linear-attention layers (`LinearAttention`, Qwen3.5's Gated DeltaNet in `layer_types`), which a
+    packed row must restart at every sequence (`linear_attention.py`) and which vLLM's CPU build serves in
+    bf16 only (`rollout_dtype_error`);
+  * tied embeddings come from each checkpoint's config (`tie_word_embeddings`), as for the dense families;
+  * the published architectures the `--dry-run` knows without the hub (`architectures.py`).
 
 This module imports neither torch nor transformers at import time (the config layer uses it).
 """
@@ -37,16 +49,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Published:
-    """The architecture of a published checkpoint (values of its config.json), for `--dry-run` offline."""
-
-    model_id: str
-    text: dict[str, Any]
-    """text_config fields: hidden_size, intermediate_size, num_hidden_layers, heads, vocab_size, ..."""
-    vision: dict[str, Any]
-    tie_word_embeddings: bool
+from spmd_grpo.models.architectures import (
+    QWEN2_5_VL_ROWS,
+    QWEN2_VL_ROWS,
+    QWEN3_5_MOE_ROWS,
+    QWEN3_5_ROWS,
+    QWEN3_VL_MOE_ROWS,
+    QWEN3_VL_ROWS,
+    LinearAttention,
+    MoE,
+    Published,
+    qwen2_5_vl_vision,
+    qwen2_vl_vision,
+    qwen3_5_vision,
+    qwen3_vl_vision,
+)
+from spmd_grpo.models.architectures import SIZES_B as SIZES_B  # re-exported: the table's sizes
+from spmd_grpo.models.architectures import UNCHECKED_SIZES as UNCHECKED_SIZES
 
 
 @dataclass(frozen=True)
@@ -64,7 +83,7 @@ class Family:
     video_processor_class: str
     vision_layout: Callable[..., dict[str, Any]]
     """`vision_layout(depth, width, mlp, heads, out_hidden, **extra)`: the vision_config of this family's tower
-    of that size (the module functions `_qwen2_vl_vision`, ... below)."""
+    of that size (the module functions `qwen2_vl_vision`, ... below)."""
     published: tuple[Published, ...] = field(default=())
     merge_size: int = 2
     explicit_head_dim: bool = False
@@ -74,6 +93,16 @@ class Family:
     deepstack: bool = False
     """Vision features of intermediate tower blocks are added to the first decoder layers' hidden states at
     the image tokens (Qwen3-VL's DeepStack; `vision_layout` then takes `deepstack=` block indexes)."""
+    moe: MoE | None = None
+    """The sparse MLP of a mixture-of-experts language model (None: dense MLPs)."""
+    linear_attention: LinearAttention | None = None
+    """Gated DeltaNet layers mixed with full-attention layers (Qwen3.5; None: full attention everywhere)."""
+    video_timestamps: bool = False
+    """Each temporal patch of a video is its own frame group behind a timestamp in the text (the Qwen3
+    generation); its mrope positions are laid out per frame group (`video_rope_index(frames_split=...)`)."""
+    partial_rotary_factor: float = 1.0
+    """The share of each attention head's dimensions that rotate (Qwen3.5: 0.25); mrope_section sums to
+    head_dim x this / 2."""
 
     @property
     def reusable_image_features(self) -> bool:
@@ -120,9 +149,15 @@ class Family:
         """The language model's decoder layers (an nn.ModuleList, replaceable in place)."""
         return hf_model.model.language_model.layers
 
-    @staticmethod
     def position_ids(
-        hf_model, input_ids, attention_mask, image_grid_thw, *, video_grid_thw=None, second_per_grid_ts=None
+        self,
+        hf_model,
+        input_ids,
+        attention_mask,
+        image_grid_thw,
+        *,
+        video_grid_thw=None,
+        second_per_grid_ts=None,
     ):
         """[3, B, L] mrope positions of right-padded prompt + response sequences (what vLLM uses). Without
         videos: the model's `get_rope_index` (image pad tokens typed 1). With videos: `video_rope_index`,
@@ -142,7 +177,7 @@ class Family:
                 image_grid_thw,
                 video_grid_thw,
                 second_per_grid_ts,
-                frames_split=config.model_type == "qwen3_vl",
+                frames_split=self.video_timestamps,
             )
         mm_token_type_ids = (input_ids == config.image_token_id).to(torch.int32)
         position_ids, _ = hf_model.model.get_rope_index(
@@ -163,6 +198,43 @@ class Family:
             return name.removeprefix("model.")
         return name
 
+    def hub_tensors(self, name: str, tensor):
+        """`(name, tensor)` pairs of the parameter `name` (transformers' memory layout) as the published
+        checkpoints hold it and vLLM's loader reads it: a `hub_transposed` MoE family's fused experts
+        transposed (views), a `hub_per_expert` one's split into one tensor per expert, everything else as is."""
+        moe = self.moe
+        if moe is None or not moe.is_fused_expert(name):
+            yield name, tensor
+        elif moe.hub_transposed:
+            yield name, tensor.transpose(-1, -2)
+        else:  # one tensor per expert: gate_up_proj [E, 2I, H] -> gate, up [I, H]; down_proj [E, H, I]
+            prefix, weight = name.rsplit(".", 1)
+            for e in range(tensor.shape[0]):
+                if weight == "gate_up_proj":
+                    gate, up = tensor[e].chunk(2)
+                    yield f"{prefix}.{e}.gate_proj.weight", gate
+                    yield f"{prefix}.{e}.up_proj.weight", up
+                else:
+                    yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+
+    def checkpoint_config_error(self, config: dict) -> str | None:
+        """Why a checkpoint's config.json would make vLLM compute another model than the trainer, or None.
+        transformers' routers renormalise the top-k probabilities whatever `norm_topk_prob` says; vLLM obeys
+        it: `false` gives every MoE layer output scaled by the top-k mass in vLLM only."""
+        if self.moe is not None and config.get("text_config", {}).get("norm_topk_prob") is False:
+            return "text_config.norm_topk_prob is false, but transformers always renormalises the top-k"
+        return None
+
+    def rollout_dtype_error(self, dtype: str, device_type: str) -> str | None:
+        """Why vLLM cannot serve this family in `dtype` on `device_type`, or None when it can."""
+        la = self.linear_attention
+        if la is not None and device_type == "cpu" and dtype != la.vllm_cpu_dtype:
+            return (
+                f"{self.name}'s linear-attention layers run in vLLM's CPU build only in {la.vllm_cpu_dtype} "
+                f"(got {dtype})"
+            )
+        return None
+
     def published_config(self, model_id: str):
         """The HF config of one of `published` (built from the table, no hub)."""
         arch = next(p for p in self.published if p.model_id == model_id)
@@ -172,100 +244,6 @@ class Family:
         )
 
 
-def _qwen2_text(text: tuple[int, int, int, int, int], tie: bool) -> dict[str, Any]:
-    """The language model of Qwen2-VL and Qwen2.5-VL: (hidden, MLP, layers, heads, KV heads); vocab 152064
-    (151936 when tied), rope theta 1e6, mrope [16, 24, 24]."""
-    hidden, inter, layers, heads, kv = text
-    return dict(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=151936 if tie else 152064,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-    )
-
-
-def _qwen2_vl_vision(depth: int, width: int, mlp: int, heads: int, out_hidden: int) -> dict[str, Any]:
-    """Qwen2-VL's tower: LayerNorm blocks, MLP given as a ratio, no window attention; its `hidden_size` is the
-    language model's width (the merger's output)."""
-    return dict(depth=depth, embed_dim=width, hidden_size=out_hidden, mlp_ratio=mlp // width, num_heads=heads)
-
-
-def _tower(depth: int, width: int, mlp: int, heads: int, out_hidden: int, patch: int) -> dict[str, Any]:
-    """The vision_config fields Qwen2.5-VL and Qwen3-VL name alike."""
-    return dict(
-        depth=depth,
-        hidden_size=width,
-        intermediate_size=mlp,
-        num_heads=heads,
-        out_hidden_size=out_hidden,
-        patch_size=patch,
-    )
-
-
-def _qwen2_5_vl_vision(depth: int, width: int, mlp: int, heads: int, out_hidden: int) -> dict[str, Any]:
-    """Qwen2.5-VL's tower: RMSNorm blocks with window attention (112 pixels), full attention in every 8th block
-    and the last (7/15/23/31 at depth 32)."""
-    full = [i for i in range(depth) if (i + 1) % 8 == 0 or i == depth - 1]
-    tower = _tower(depth, width, mlp, heads, out_hidden, patch=14)
-    return dict(tower, window_size=112, fullatt_block_indexes=full)
-
-
-def _qwen3_vl_vision(
-    depth: int, width: int, mlp: int, heads: int, out_hidden: int, *, deepstack=(), position_embeddings=2304
-) -> dict[str, Any]:
-    """Qwen3-VL's tower: patch 16, learnt position embeddings (a square count), DeepStack mergers after the
-    blocks `deepstack`."""
-    tower = _tower(depth, width, mlp, heads, out_hidden, patch=16)
-    return dict(tower, num_position_embeddings=position_embeddings, deepstack_visual_indexes=list(deepstack))
-
-
-def _qwen2_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie: bool) -> Published:
-    """Qwen2-VL instruct: vocab 152064 (151936 when tied), rope theta 1e6, mrope [16, 24, 24]; vision tower
-    of 32 blocks, width 1280, MLP ratio 4, 16 heads, patch 14, merge 2."""
-    vision = _qwen2_vl_vision(32, 1280, 5120, 16, text[0])
-    return Published(model_id, _qwen2_text(text, tie), vision, tie)
-
-
-def _qwen2_5_vl_published(model_id: str, text: tuple[int, int, int, int, int], tie: bool) -> Published:
-    """Qwen2.5-VL instruct: rope theta 1e6, mrope [16, 24, 24]; vision tower of 32 blocks, width 1280, MLP
-    3420, 16 heads, patch 14, merge 2, full attention in blocks 7/15/23/31 (window attention elsewhere)."""
-    vision = _qwen2_5_vl_vision(32, 1280, 3420, 16, text[0])
-    return Published(model_id, _qwen2_text(text, tie), vision, tie)
-
-
-def _qwen3_vl_published(model_id: str, text: tuple, vision: tuple, tie: bool):
-    """Qwen3-VL instruct (dense): head_dim 128, vocab 151936, rope theta 5e6, interleaved mrope [24, 20, 20];
-    vision tower patch 16, merge 2, 2304 learnt position embeddings, DeepStack from three blocks."""
-    hidden, inter, layers, heads, kv = text
-    depth, width, mlp, deepstack = vision
-    text_cfg = dict(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=128,
-        vocab_size=151936,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 5e6,
-            "mrope_section": [24, 20, 20],
-            "mrope_interleaved": True,
-        },
-    )
-    vision_cfg = _qwen3_vl_vision(depth, width, mlp, 16, hidden, deepstack=deepstack)
-    return Published(model_id, text_cfg, vision_cfg, tie)
-
-
-# Values of the published config.json files. Each row's parameter count, built on the meta device, must equal
-# its published model size (`SIZES_B`, tested), which catches a wrong width or depth. The two 2B rows were
-# not read from a published config.json but put together from partial public copies; the count settles the
-# one value those copies disagree on, the 2B MLP width: Qwen3-VL-2B's language model is Qwen3-1.7B's (MLP
-# 6144 gives 2.13B; the 5632 and 8192 seen elsewhere give 2.04B and 2.48B), Qwen2-VL-2B's is Qwen2-1.5B's
-# (MLP 8960 gives 2.21B).
 QWEN2_VL = Family(
     name="Qwen2-VL",
     model_type="qwen2_vl",
@@ -273,13 +251,10 @@ QWEN2_VL = Family(
     config_class="Qwen2VLConfig",
     processor_class="Qwen2VLProcessor",
     video_processor_class="Qwen2VLVideoProcessor",
-    vision_layout=_qwen2_vl_vision,
+    vision_layout=qwen2_vl_vision,
     patch_size=14,
     legacy_weight_names=True,
-    published=(
-        _qwen2_vl_published("Qwen/Qwen2-VL-2B-Instruct", (1536, 8960, 28, 12, 2), True),
-        _qwen2_vl_published("Qwen/Qwen2-VL-7B-Instruct", (3584, 18944, 28, 28, 4), False),
-    ),
+    published=QWEN2_VL_ROWS,
 )
 QWEN2_5_VL = Family(
     name="Qwen2.5-VL",
@@ -288,59 +263,93 @@ QWEN2_5_VL = Family(
     config_class="Qwen2_5_VLConfig",
     processor_class="Qwen2_5_VLProcessor",
     video_processor_class="Qwen2VLVideoProcessor",
-    vision_layout=_qwen2_5_vl_vision,
+    vision_layout=qwen2_5_vl_vision,
     patch_size=14,
     legacy_weight_names=True,
-    published=(
-        _qwen2_5_vl_published("Qwen/Qwen2.5-VL-3B-Instruct", (2048, 11008, 36, 16, 2), True),
-        _qwen2_5_vl_published("Qwen/Qwen2.5-VL-7B-Instruct", (3584, 18944, 28, 28, 4), False),
-        _qwen2_5_vl_published("Qwen/Qwen2.5-VL-32B-Instruct", (5120, 27648, 64, 40, 8), False),
-        _qwen2_5_vl_published("Qwen/Qwen2.5-VL-72B-Instruct", (8192, 29568, 80, 64, 8), False),
-    ),
+    published=QWEN2_5_VL_ROWS,
 )
 QWEN3_VL = Family(
+    video_timestamps=True,
     name="Qwen3-VL",
     model_type="qwen3_vl",
     model_class="Qwen3VLForConditionalGeneration",
     config_class="Qwen3VLConfig",
     processor_class="Qwen3VLProcessor",
     video_processor_class="Qwen3VLVideoProcessor",
-    vision_layout=_qwen3_vl_vision,
+    vision_layout=qwen3_vl_vision,
     patch_size=16,
     legacy_weight_names=False,
     explicit_head_dim=True,
     mrope_interleaved=True,
     deepstack=True,
-    published=(
-        _qwen3_vl_published(
-            "Qwen/Qwen3-VL-2B-Instruct", (2048, 6144, 28, 16, 8), (24, 1024, 4096, (5, 11, 17)), True
-        ),
-        _qwen3_vl_published(
-            "Qwen/Qwen3-VL-4B-Instruct", (2560, 9728, 36, 32, 8), (24, 1024, 4096, (5, 11, 17)), True
-        ),
-        _qwen3_vl_published(
-            "Qwen/Qwen3-VL-8B-Instruct", (4096, 12288, 36, 32, 8), (27, 1152, 4304, (8, 16, 24)), False
-        ),
-        _qwen3_vl_published(
-            "Qwen/Qwen3-VL-32B-Instruct", (5120, 25600, 64, 64, 8), (27, 1152, 4304, (8, 16, 24)), False
-        ),
-    ),
+    published=QWEN3_VL_ROWS,
 )
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}
-SIZES_B: dict[str, float] = {
-    "Qwen/Qwen2-VL-2B-Instruct": 2.21,
-    "Qwen/Qwen2-VL-7B-Instruct": 8.29,
-    "Qwen/Qwen2.5-VL-3B-Instruct": 3.75,
-    "Qwen/Qwen2.5-VL-7B-Instruct": 8.29,
-    "Qwen/Qwen2.5-VL-32B-Instruct": 33.5,
-    "Qwen/Qwen2.5-VL-72B-Instruct": 73.4,
-    "Qwen/Qwen3-VL-2B-Instruct": 2.13,
-    "Qwen/Qwen3-VL-4B-Instruct": 4.44,
-    "Qwen/Qwen3-VL-8B-Instruct": 8.77,
-    "Qwen/Qwen3-VL-32B-Instruct": 33.4,
+QWEN3_VL_MOE = Family(
+    video_timestamps=True,
+    name="Qwen3-VL-MoE",
+    model_type="qwen3_vl_moe",
+    model_class="Qwen3VLMoeForConditionalGeneration",
+    config_class="Qwen3VLMoeConfig",
+    processor_class="Qwen3VLProcessor",
+    video_processor_class="Qwen3VLVideoProcessor",
+    vision_layout=qwen3_vl_vision,
+    patch_size=16,
+    legacy_weight_names=False,
+    explicit_head_dim=True,
+    mrope_interleaved=True,
+    deepstack=True,
+    moe=MoE(
+        block_class="Qwen3VLMoeTextSparseMoeBlock",
+        experts_class="Qwen3VLMoeTextExperts",
+        router_class="Qwen3VLMoeTextTopKRouter",
+        hub_transposed=True,
+    ),
+    published=QWEN3_VL_MOE_ROWS,
+)
+QWEN3_5 = Family(
+    video_timestamps=True,
+    name="Qwen3.5",
+    model_type="qwen3_5",
+    model_class="Qwen3_5ForConditionalGeneration",
+    config_class="Qwen3_5Config",
+    processor_class="Qwen3VLProcessor",
+    video_processor_class="Qwen3VLVideoProcessor",
+    vision_layout=qwen3_5_vision,
+    patch_size=16,
+    legacy_weight_names=False,
+    explicit_head_dim=True,
+    mrope_interleaved=True,
+    partial_rotary_factor=0.25,
+    linear_attention=LinearAttention(module_class="Qwen3_5GatedDeltaNet"),
+    published=QWEN3_5_ROWS,
+)
+QWEN3_5_MOE = Family(
+    video_timestamps=True,
+    name="Qwen3.5-MoE",
+    model_type="qwen3_5_moe",
+    model_class="Qwen3_5MoeForConditionalGeneration",
+    config_class="Qwen3_5MoeConfig",
+    processor_class="Qwen3VLProcessor",
+    video_processor_class="Qwen3VLVideoProcessor",
+    vision_layout=qwen3_5_vision,
+    patch_size=16,
+    legacy_weight_names=False,
+    explicit_head_dim=True,
+    mrope_interleaved=True,
+    partial_rotary_factor=0.25,
+    linear_attention=LinearAttention(module_class="Qwen3_5MoeGatedDeltaNet"),
+    moe=MoE(
+        block_class="Qwen3_5MoeSparseMoeBlock",
+        experts_class="Qwen3_5MoeExperts",
+        router_class="Qwen3_5MoeTopKRouter",
+        hub_transposed=False,
+        shared_expert=True,
+    ),
+    published=QWEN3_5_MOE_ROWS,
+)
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE)
 }
-"""Published model sizes in billions of parameters (the model cards' figures), checked against the table."""
-
 PUBLISHED: dict[str, Family] = {p.model_id: f for f in FAMILIES.values() for p in f.published}
 
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from spmd_grpo.models.families import family_of
 from spmd_grpo.models.inputs import (
     ImageBatch,
     SequenceBatch,
@@ -47,6 +48,7 @@ from spmd_grpo.models.inputs import (
     mrope_position_ids,
     response_token_index,
 )
+from spmd_grpo.models.linear_attention import split_packed_linear_attention
 from spmd_grpo.models.lora import head_parts
 from spmd_grpo.models.moe.routing import MoEState
 
@@ -109,7 +111,8 @@ class PolicyModule(nn.Module):
 
     It is the FSDP2 root, so the root-level parameters (embeddings, final norm, lm_head, ViT patch
     embedding/merger) are gathered for exactly this forward; encoding images alone goes through the same
-    root forward (an `ImageBatch`) for that reason.
+    root forward (an `ImageBatch`) for that reason. A hybrid model's linear-attention layers are made to
+    restart at packed sequence starts here (`linear_attention.split_packed_linear_attention`).
     """
 
     def __init__(
@@ -122,6 +125,9 @@ class PolicyModule(nn.Module):
     ) -> None:
         super().__init__()
         self.hf = hf_model
+        family = family_of(hf_model.config)
+        if family.linear_attention is not None:
+            split_packed_linear_attention(family.decoder_layers(hf_model), family.linear_attention.module)
         self.padding_free = padding_free
         """Whether callers should hand it packed batches (its attention implementation has a varlen path)."""
         self.gather_once_per_pass = False

@@ -39,6 +39,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.futures import Future
 
+from spmd_grpo.models.expert_layout import checkpoint_views
+
 INDEX = "model.safetensors.index.json"
 # safetensors dtype names -> torch dtypes (the ones model checkpoints use).
 SAFETENSORS_DTYPES = {
@@ -166,11 +168,8 @@ def _read_metadata(reader: SliceReader, model_dir: Path) -> dict:
         raise ValueError(f"cannot read the safetensors headers in {model_dir}: {e}") from e
 
 
-def _check_against_checkpoint(
-    state: Mapping[str, torch.Tensor], reader: SliceReader, model_dir: Path
-) -> None:
+def _check_against_checkpoint(state: Mapping[str, torch.Tensor], metadata: dict, model_dir: Path) -> None:
     """Every tensor the model needs is in the checkpoint with the model's shape; else a one-line error."""
-    metadata = _read_metadata(reader, model_dir)
     missing = [k for k in state if k not in metadata]
     if missing:
         raise ValueError(
@@ -186,25 +185,37 @@ def _check_against_checkpoint(
 
 
 def load_safetensors_into(
-    state: Mapping[str, torch.Tensor], model_dir: Path, *, name_map: Callable[[str], str] = lambda name: name
+    state: Mapping[str, torch.Tensor],
+    model_dir: Path,
+    *,
+    name_map: Callable[[str], str] = lambda name: name,
+    is_fused_expert: Callable[[str], bool] | None = None,
 ) -> None:
     """Fill `state` ({in-memory name: tensor or DTensor shard}, e.g. a sharded module's `state_dict()`) from
     the safetensors in `model_dir`, in place. Collective: every rank of the default group calls it together.
 
     Keys are mapped with `name_map` (the model family's `on_disk_name`: in-memory -> checkpoint name); leave out keys the checkpoint does not hold (a tied `lm_head`).
     Errors name the file and the tensor: a missing tensor or a wrong shape is found from the headers before
-    any read; a failed read comes out of DCP as a `CheckpointException` (a BaseException, which `except
+    any read. `is_fused_expert` (an MoE family's): those tensors are read from whichever expert layout the
+    file holds (`expert_layout.checkpoint_views`). A failed read comes out of DCP as a `CheckpointException` (a BaseException, which `except
     Exception` would not catch) and is re-raised as a RuntimeError with the first rank's message.
     """
     weight_files(model_dir)  # a clear error for a directory without safetensors or with a broken index
     state = {name_map(k): v for k, v in state.items()}
     reader = SliceReader(str(model_dir))
-    _check_against_checkpoint(state, reader, model_dir)
+    metadata = _read_metadata(reader, model_dir)
+    finish = []
+    if is_fused_expert is not None:
+        on_disk = {k: tuple(md.size) for k, md in metadata.items()}
+        state, finish = checkpoint_views(state, on_disk, is_fused_expert)
+    _check_against_checkpoint(state, metadata, model_dir)
     try:
         dcp.load(state, storage_reader=reader)
     except CheckpointException as e:
         rank, (exc, _trace) = next(iter(sorted(e.failures.items(), key=lambda kv: kv[0])))
         raise RuntimeError(f"loading weights from {model_dir} failed on rank {rank}: {exc}") from e
+    for copy_back in finish:
+        copy_back()
 
 
 def hf_name(fsdp_name: str) -> str:

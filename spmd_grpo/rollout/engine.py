@@ -60,6 +60,7 @@ from torch import nn
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import LoRAConfig, RolloutConfig
 from spmd_grpo.models.build import resolve_dtype
+from spmd_grpo.models.families import family_of
 from spmd_grpo.models.lora import merge_sources
 from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import World
@@ -143,6 +144,8 @@ class RolloutEngine:
             **routes,
         )
         self.adapters = AdapterSync(adapter_lora) if adapter_lora else None
+        # the tensors vLLM's loader reads (Qwen3-VL-MoE: transposed experts; Qwen3.5-MoE: one per expert)
+        self.weight_layout = family_of(self.llm.llm_engine.model_config.hf_config).hub_tensors
         self.stats = EngineStats()  # dummy weights: the first rollout_mode pushes every weight
         self.asleep = False
 
@@ -246,6 +249,7 @@ class RolloutEngine:
             tie_word_embeddings=self.tie_word_embeddings,
             skip=frozen.__contains__,
             merge=self.adapters is None,
+            layout=self.weight_layout,
         )
         self.load_weights(weights, version)
         if self.adapters is not None:  # the unmerged base is in: now its adapters, under a new LoRA id

@@ -13,6 +13,7 @@ import torch
 
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import RolloutConfig
+from spmd_grpo.models.families import family_of_model_path
 from spmd_grpo.models.policy import unsamplable_token_ids
 
 
@@ -86,6 +87,14 @@ def host_side_image_normalisation() -> dict:
     return {"mm_device_do_normalize": False} if "mm_device_do_normalize" in options else {}
 
 
+def _hybrid_cache_kwargs(model_path: str) -> dict:
+    """No prefix caching for a model with linear-attention layers (Qwen3.5): vLLM caches such a model's
+    prefixes only with chunked prefill (its 'align' state cache), which the engine keeps off (seeded requests
+    crash a partial prefill on the CPU). The n samples of a prompt then each prefill the prompt."""
+    family = family_of_model_path(model_path)
+    return {"enable_prefix_caching": False} if family and family.linear_attention else {}
+
+
 def llm_kwargs(
     model_path: str,
     cfg: RolloutConfig,
@@ -102,6 +111,7 @@ def llm_kwargs(
     # Seeded requests + chunked prefill crash on CPU ("CPU Generator does not use offset"); with chunked
     # prefill off, one scheduler step must hold the largest prompt.
     return dict(
+        **_hybrid_cache_kwargs(model_path),
         model=model_path,
         trust_remote_code=trust_remote_code,  # worker.actor.model.trust_remote_code, as transformers gets it
         distributed_executor_backend="external_launcher",

@@ -4,6 +4,8 @@ Parameters are grouped in buckets of about `worker.rollout.weight_sync_bucket_mb
 vision block is never split), each bucket all-gathered once in the rollout dtype (the local shard is cast first, so fp32 masters
 never travel) and handed to vLLM's `reload_weights` as `(hf_name, full_tensor)` pairs, in the same order on
 every rank. With tied embeddings `lm_head.weight` is sent too (vLLM keeps the old head otherwise).
+Each tensor goes out as vLLM's loader reads it (`layout`: the family's `hub_tensors`, which transposes
+Qwen3-VL-MoE's fused experts and splits Qwen3.5-MoE's into one tensor per expert; the identity elsewhere).
 
 LoRA, merged mode: the adapters never travel on their own; each adapted base weight is sent under its HF
 name as `W + alpha / r * B @ A` (computed in fp32 after gathering the base in the rollout dtype and the
@@ -13,7 +15,7 @@ adapters whole in fp32), so vLLM needs no LoRA support and any model it serves w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -72,6 +74,7 @@ def iter_weight_buckets(
     tie_word_embeddings: bool,
     skip: Callable[[str], bool] = lambda name: False,
     merge: bool = True,
+    layout: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] = lambda name, t: [(name, t)],
 ) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]]]:
     """Yield `(gathered_bytes, tensors)` per bucket; `tensors` yields `(hf_name, full tensor in dtype)`.
 
@@ -79,7 +82,7 @@ def iter_weight_buckets(
     Every rank must call this with the same model and arguments (the all-gathers are collective). Buckets
     are whole layers, filled up to `bucket_bytes` of the gathered (rollout-dtype) size; a layer bigger than
     a bucket forms its own bucket. `skip(name)` drops parameters (e.g. a frozen vision tower after the first
-    push); it must give the same answer on every rank.
+    push); it must give the same answer on every rank. `layout(name, tensor)` gives the `(name, tensor)` pairs sent for it.
     Live memory: one gathered bucket (`_GatheredBucket`, no send buffer or backend temporary) plus the
     tensors the consumer still holds; a replicated parameter is materialised alone, outside the bucket.
     """
@@ -95,12 +98,12 @@ def iter_weight_buckets(
         sharded = [(n, p) for n, p in bucket if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)]
         gathered = _GatheredBucket(sharded, dtype) if sharded else None
         lm_head_from = embed_name if tie_word_embeddings else None
-        tensors = _bucket_tensors(bucket, gathered, dtype, lm_head_from, merges)
+        tensors = _bucket_tensors(bucket, gathered, dtype, lm_head_from, merges, layout)
         yield (gathered.num_bytes if gathered else 0), tensors
         del gathered
 
 
-def _bucket_tensors(bucket, gathered, dtype: torch.dtype, lm_head_from: str | None, merges: dict):
+def _bucket_tensors(bucket, gathered, dtype: torch.dtype, lm_head_from: str | None, merges: dict, layout):
     for n, p in bucket:
         if gathered is not None and n in gathered.layout:
             t = gathered.take(n)
@@ -108,7 +111,7 @@ def _bucket_tensors(bucket, gathered, dtype: torch.dtype, lm_head_from: str | No
             t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(dtype)
         if n in merges:
             t = merged_weight(t, merges[n])
-        yield n, t
+        yield from layout(n, t)
         if n == lm_head_from:
             yield "lm_head.weight", t
         del t
@@ -122,11 +125,18 @@ def iter_sharded_weights(
     tie_word_embeddings: bool,
     skip: Callable[[str], bool] = lambda name: False,
     merge: bool = True,
+    layout: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] = lambda name, t: [(name, t)],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full tensor in dtype)` for every parameter, gathering one bucket at a time
     (`iter_weight_buckets` flattened; `merge=False`: LoRA base weights without their adapters)."""
     buckets = iter_weight_buckets(
-        model, dtype, bucket_bytes, tie_word_embeddings=tie_word_embeddings, skip=skip, merge=merge
+        model,
+        dtype,
+        bucket_bytes,
+        tie_word_embeddings=tie_word_embeddings,
+        skip=skip,
+        merge=merge,
+        layout=layout,
     )
     for _, tensors in buckets:
         yield from tensors

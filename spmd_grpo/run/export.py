@@ -18,6 +18,8 @@ What is written:
     (Qwen2-VL / Qwen2.5-VL: `model.layers.*`, `visual.*`, what `save_pretrained` writes), the same names are
     used, so every tool that read the source reads the export; otherwise the in-memory names
     (`model.language_model.*`, what Qwen3-VL checkpoints hold).
+  * the fused expert tensors of an MoE model in the layout the published checkpoints and vLLM use
+    (`Family.hub_tensors`: Qwen3-VL-MoE's transposed, Qwen3.5-MoE's one tensor per expert).
   * no `lm_head.weight` when the config ties word embeddings (transformers and vLLM re-tie it).
   * no optimizer state (DCP keys under `optim.`).
   * `config.json` (its dtype set to the export dtype), `generation_config.json` and the tokenizer/processor
@@ -165,7 +167,9 @@ def export_hf(
 
     out.mkdir(parents=True, exist_ok=True)
     _remove_stale_weights(out)
-    weight_map, total_size = _write_shards(ckpt, out, shards, torch_dtype)
+    family = family_of_model_path(str(src))
+    layout = family.hub_tensors if family is not None else (lambda name, t: [(name, t)])
+    weight_map, total_size = _write_shards(ckpt, out, shards, torch_dtype, layout)
     _copy_side_files(src, out)
     _write_config(src, out, dtype)
     log.info(
@@ -226,9 +230,14 @@ def _remove_stale_weights(out: Path) -> None:
 
 
 def _write_shards(
-    ckpt: Path, out: Path, shards: list[list[tuple[str, str, TensorStorageMetadata]]], dtype: torch.dtype
+    ckpt: Path,
+    out: Path,
+    shards: list[list[tuple[str, str, TensorStorageMetadata]]],
+    dtype: torch.dtype,
+    layout,
 ) -> tuple[dict[str, str], int]:
-    """Read, cast and write one shard at a time (plus the index if more than one); (weight_map, total bytes)."""
+    """Read, cast, lay out (`layout(name, tensor)`: the pairs to write) and write one shard at a time (plus
+    the index if more than one); (weight_map, total bytes)."""
     weight_map, total_size = {}, 0
     for i, shard in enumerate(shards):
         fname = (
@@ -239,7 +248,9 @@ def _write_shards(
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load(buffers, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
         tensors = {
-            n: buffers.pop(k).to(_out_dtype(md.properties.dtype, dtype)).contiguous() for k, n, md in shard
+            name: t.contiguous()
+            for k, n, md in shard
+            for name, t in layout(n, buffers.pop(k).to(_out_dtype(md.properties.dtype, dtype)))
         }
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for n, t in tensors.items():

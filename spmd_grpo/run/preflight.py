@@ -10,6 +10,7 @@ routing replay takes vLLM's routes. Each failure is a `ConfigError` naming the k
 from __future__ import annotations
 
 import ast
+import json
 import os
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def preflight(cfg: Config) -> None:
     check_hub_reachable("worker.actor.model.model_path", model.model_path)
     if model.tokenizer_path is not None:
         check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
-    check_family(model.model_path)
+    check_family(cfg)
     check_lora_targets(cfg)
     check_routing_replay(cfg)
 
@@ -99,14 +100,29 @@ def check_reward_imports(cfg: Config) -> None:
         raise ConfigError(f"worker.reward.reward_function: {e}") from None
 
 
-def check_family(model_path: str) -> None:
-    """A model whose family is not supported stops here, naming the key and the supported families."""
+def check_family(cfg: Config) -> None:
+    """A model whose family is not supported stops here, naming the key and the supported families; so does
+    a checkpoint config the family cannot train (`Family.checkpoint_config_error`) and a rollout dtype vLLM
+    cannot serve the family in on this device (Qwen3.5 on CPU: bfloat16 only)."""
     from spmd_grpo.models.families import family_of_model_path
 
+    model_path = cfg.worker.actor.model.model_path
     try:
-        family_of_model_path(model_path)
+        family = family_of_model_path(model_path)
     except ValueError as e:
         raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
+    if family is None:
+        return
+    config = Path(model_path) / "config.json"
+    error = family.checkpoint_config_error(json.loads(config.read_text())) if config.is_file() else None
+    require(not error, f"worker.actor.model.model_path={model_path!r}: {config}: {error}")
+    from spmd_grpo.models.build import resolve_dtype
+    from spmd_grpo.parallel.devices import resolve_device_type
+
+    device_type = resolve_device_type(cfg.trainer.device)
+    dtype = str(resolve_dtype(cfg.worker.rollout.dtype, device_type)).removeprefix("torch.")
+    error = family.rollout_dtype_error(dtype, device_type)
+    require(not error, f"worker.rollout.dtype={cfg.worker.rollout.dtype}: {error}; set bfloat16")
 
 
 def check_lora_targets(cfg: Config) -> None:

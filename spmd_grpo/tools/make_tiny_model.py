@@ -1,5 +1,5 @@
-"""Build a tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with no download: model, tokenizer, chat
-template, processor.
+"""Build a tiny random checkpoint of any supported family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5,
+Qwen3.5-MoE) with no download: model, tokenizer, chat template, processor.
 
     python -m spmd_grpo.tools.make_tiny_model OUT_DIR [--family qwen3_vl] [--seed S] [--tie-word-embeddings] ...
 
@@ -9,7 +9,12 @@ Deterministic for a seed (same bytes for the same seed and options). `--family` 
 `spmd_grpo.models.families` (default qwen2_5_vl).
 
 Constraints from vLLM's CPU backend: its attention supports only some head sizes (32, 64, 80, ...), so
-head_dim is 32 or 64, and mrope_section must sum to head_dim / 2.
+head_dim is 32 or 64, and mrope_section must sum to the rotating dims / 2 (head_dim / 2; Qwen3.5 rotates a
+quarter). MoE families: every layer sparse, `num_experts` (8) experts, top `num_experts_per_tok` (2),
+renormalised; the expert width (96) is a multiple of 32 and makes no expert tensor square, and the file
+holds the published expert layout (`save_model`). Qwen3.5 families: linear-attention and full-attention
+layers alternate, and the Gated DeltaNet key/value head dim is 128, the only one vLLM's CPU kernel takes
+(which also runs only in bf16: serve these with `dtype=bfloat16`).
 """
 
 from __future__ import annotations
@@ -82,6 +87,16 @@ class TinyModelSpec:
     vocab_merges: int = 200
     init_std: float = 0.02
     head_logit_std: float | None = None  # None: the head as HF's init draws it (initializer_range)
+    # Mixture-of-experts families (every layer sparse). The expert MLP width differs from hidden_size and
+    # hidden_size / 2 so that no expert tensor is square: a transposed expert then fails on shape instead of
+    # loading silently. A multiple of 32: vLLM's CPU experts pad the width to 32 after the first load, and
+    # a weight reload (every push) of an unpadded width then fails on shape.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 96
+    # Hybrid (Gated DeltaNet) families: vLLM's CPU kernel needs key/value head dim 128.
+    linear_head_dim: int = 128
+    linear_num_heads: int = 2
 
     @property
     def head_dim(self) -> int:
@@ -124,6 +139,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     family = family_for_type(spec.family, "TinyModelSpec.family")
     if spec.head_dim not in (32, 64):
         raise ValueError(f"head_dim {spec.head_dim} not supported by vLLM's CPU attention: use 32 or 64")
+    if family.moe is not None and spec.moe_intermediate_size % 32:
+        raise ValueError("moe_intermediate_size must be a multiple of 32 (vLLM CPU pads experts to 32)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -136,10 +153,29 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         _draw_head(model, spec)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out, safe_serialization=True)
+    save_model(model, out)
     _save_processor(out, tokenizer, family)
     (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=1))
     return out
+
+
+def save_model(model, out: Path) -> None:
+    """`save_pretrained`, then the weights rewritten in the published expert layout where transformers saves
+    another one (Qwen3-VL-MoE's fused experts: `save_pretrained` writes its memory layout, which vLLM refuses;
+    Qwen3.5-MoE's per-expert tensors are already what `save_pretrained` writes)."""
+    from safetensors.torch import load_file, save_file
+
+    from spmd_grpo.models.families import family_of
+
+    model.save_pretrained(out, safe_serialization=True)
+    family = family_of(model.config)
+    if family.moe is None:
+        return
+    path = out / "model.safetensors"
+    tensors = {
+        n: t.contiguous() for k, v in load_file(str(path)).items() for n, t in family.hub_tensors(k, v)
+    }
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _draw_head(model, spec: TinyModelSpec) -> None:
@@ -162,15 +198,18 @@ def _draw_head(model, spec: TinyModelSpec) -> None:
         weight.copy_(torch.randn(weight.shape, generator=generator) * std)
 
 
-def _mrope_section(head_dim: int) -> list[int]:
-    half = head_dim // 2
+def _mrope_section(rotary_dim: int) -> list[int]:
+    half = rotary_dim // 2
     return [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
 
 
 def _text_config(spec: TinyModelSpec, family, ids: dict[str, int], vocab_size: int) -> dict:
-    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": _mrope_section(spec.head_dim)}
+    rotary_dim = int(spec.head_dim * family.partial_rotary_factor)
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": _mrope_section(rotary_dim)}
     if family.mrope_interleaved:
         rope["mrope_interleaved"] = True
+    if family.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = family.partial_rotary_factor
     text = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
@@ -188,6 +227,28 @@ def _text_config(spec: TinyModelSpec, family, ids: dict[str, int], vocab_size: i
     )
     if family.explicit_head_dim:
         text["head_dim"] = spec.head_dim
+    if family.moe is not None:
+        text.update(
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            norm_topk_prob=True,  # what transformers' router does; vLLM reads the flag
+        )
+        if family.moe.shared_expert:
+            text["shared_expert_intermediate_size"] = spec.moe_intermediate_size
+        else:
+            text.update(decoder_sparse_step=1, mlp_only_layers=[])
+    if family.linear_attention is not None:
+        layers = spec.num_hidden_layers
+        text.update(
+            linear_key_head_dim=spec.linear_head_dim,
+            linear_value_head_dim=spec.linear_head_dim,
+            linear_num_key_heads=spec.linear_num_heads,
+            linear_num_value_heads=spec.linear_num_heads,
+            linear_conv_kernel_dim=4,
+            # every other layer full attention, the last one included (published: every 4th)
+            layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(layers)],
+        )
     return text
 
 
@@ -196,8 +257,10 @@ def _vision_config(spec: TinyModelSpec, family) -> dict:
     a DeepStack tower (Qwen3-VL) feeds every block to the language model, as far as it has layers."""
     width, depth = spec.vision_hidden_size, spec.vision_depth
     extra = {}
+    if family.patch_size == 16:  # the Qwen3-VL tower: learnt position embeddings, a square count
+        extra["position_embeddings"] = 144
     if family.deepstack:
-        extra = dict(deepstack=range(min(depth, spec.num_hidden_layers)), position_embeddings=144)
+        extra["deepstack"] = range(min(depth, spec.num_hidden_layers))
     layout = family.vision_layout(depth, width, 2 * width, spec.vision_num_heads, spec.hidden_size, **extra)
     return dict(
         layout,

@@ -1,6 +1,7 @@
 """Any mix of modalities on any rank (2 ranks, real torchrun, gloo, FSDP2, fp32): text-only prompts, one
 image, three images, a video, an image and a video in one prompt, and zero-weight padding micro-batches, on
-different ranks in the same micro-batch slot, for every family, padded and packed, trained and frozen vision
+different ranks in the same micro-batch slot, for every dense family and one MoE model of each generation
+(Qwen3-VL-MoE; Qwen3.5-MoE, whose hybrid layers are Qwen3.5's), padded and packed, trained and frozen vision
 tower (tests/jobs/mixed_modalities.py).
 
 No collective may mismatch (gloo: "Received data size doesn't match"), the forward-only pass must give each
@@ -21,7 +22,7 @@ CASES = [f"{scenario}-{tower}-{layout}" for scenario in ("one_rank_text_only", "
          for tower in ("trained", "frozen") for layout in ("padded", "packed")]  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_every_composition_on_every_rank(family, tmp_path):
     torchrun([JOB, str(tiny_model(family=family)), str(tmp_path / "out")])
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]

@@ -8,7 +8,7 @@ Two torchrun launches (world 1 and world 2) cover both models, the policy, the r
 import pytest
 import torch
 
-from tests.conftest import torchrun
+from tests.conftest import tiny_model, torchrun
 
 JOB = "tests/jobs/model_load.py"
 WORLDS = [1, 2]
@@ -21,16 +21,23 @@ ROTARY = {
 }
 
 
+NEW_FAMILIES = ["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+"""Policy and LoRA checks only (`--policy-and-lora`): their experts are read from the file's layout."""
+
+
 @pytest.fixture(scope="module")
 def results(tiny_tied, tiny_untied, tmp_path_factory):
-    """{(world, "tied" | "untied"): the job's checks for that model}."""
+    """{(world, "tied" | "untied" | family): the job's checks for that model}."""
     out = {}
+    families = {f: tiny_model(family=f) for f in NEW_FAMILIES}
     for world in WORLDS:
         path = tmp_path_factory.mktemp("load") / f"w{world}.pt"
-        torchrun([JOB, str(path), str(tiny_tied), str(tiny_untied)], nproc=world)
+        extra = ["--policy-and-lora", *map(str, families.values())]
+        torchrun([JOB, str(path), str(tiny_tied), str(tiny_untied), *extra], nproc=world)
         saved = torch.load(path)
         assert saved["world_size"] == world
         out[world, "tied"], out[world, "untied"] = saved[tiny_tied.name], saved[tiny_untied.name]
+        out.update({(world, f): saved[d.name] for f, d in families.items()})
     return out
 
 
@@ -78,3 +85,24 @@ def test_lora_gradients_equal_single_process_peft(results, world, model):
     assert r["lora_disabled_equals_base"] and r["lora_enabled_differs"]  # the KL reference is the base
     # fsdp.param_dtype=bfloat16: frozen base in bf16, trainable adapters in fp32
     assert r["lora_bf16_dtypes"] == [("torch.bfloat16", False, False), ("torch.float32", True, True)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_moe_and_hybrid_policies_load_bit_identical_and_lora_skips_the_experts(results, world, family):
+    """The stacked experts are read from the file's layout (Qwen3-VL-MoE: transposed; Qwen3.5-MoE: one tensor
+    per expert), each rank its own experts, into exactly what `from_pretrained` holds. LoRA adapts the
+    nn.Linear layers only: attention (and Qwen3.5's linear-attention projections, the shared expert), never
+    the routed experts (3-D parameters) or the router, and matches single-process PEFT."""
+    r = results[world, family]
+    assert r["policy_mismatches"] == [] and r["policy_checked"] >= 60
+    assert r["policy_logits_equal"] and r["policy_logprobs_equal"]
+    assert r["lora_names_match"] and r["lora_grad_max_diff"] <= 1e-5 * max(1.0, r["lora_grad_max"])
+    assert r["lora_base_mismatches"] == [] and r["lora_disabled_equals_base"]
+    kinds = {t.rsplit(".", 1)[-1] for t in r["lora_targets"]}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= kinds
+    assert not any(".experts." in t or t.endswith("mlp.gate") for t in r["lora_targets"])
+    if family != "qwen3_vl_moe":
+        assert {"in_proj_qkv", "in_proj_z", "out_proj"} <= kinds
+    if family == "qwen3_5_moe":
+        assert {"gate_proj", "up_proj", "down_proj", "shared_expert_gate"} <= kinds  # the shared expert

@@ -10,7 +10,7 @@ Two torchrun launches (world 1 and world 2) compute every (mode, micro-batch siz
 import pytest
 import torch
 
-from tests.conftest import torchrun
+from tests.conftest import tiny_model, torchrun
 
 MODES = ["token-mean", "seq-mean-token-mean"]
 # 1: one sample per micro-batch, rank 0 (3 samples when uneven) pads to rank 1's 5; 86: rank 0's 4 samples
@@ -43,6 +43,26 @@ def _max_rel(a, b):
         if denom > 0:
             worst = max(worst, (a[name] - b[name]).norm().item() / denom)
     return worst
+
+
+def test_moe_and_hybrid_gradient_does_not_depend_on_the_micro_batch(tmp_path):
+    """Qwen3.5-MoE (routed experts with no capacity, a shared expert, Gated DeltaNet layers), 2 ranks: one
+    sample per micro-batch and 4 per micro-batch give the same gradient, padded and packed (a token's
+    experts and its linear-attention state depend on its own sequence only)."""
+    path = tmp_path / "moe.pt"
+    job = [
+        "tests/jobs/grad_invariance.py",
+        str(tiny_model(family="qwen3_5_moe")),
+        str(path),
+        "--micro",
+        "4,1",
+    ]
+    torchrun([*job, "--modes", "token-mean", "--budgets", "86", "--variants"], nproc=2)
+    g = torch.load(path)
+    assert _max_rel(g["token-mean", 4], g["token-mean", 1]) <= 1e-5
+    assert _max_rel(g["token-mean", 4], g["token-mean", "budget86"]) <= 1e-5
+    assert _max_rel(g["token-mean", 1], g["packed",]) <= 1e-5
+    assert any(".experts." in n and t.abs().max() > 0 for n, t in g["token-mean", 1].items())
 
 
 @pytest.mark.parametrize("mode", MODES)

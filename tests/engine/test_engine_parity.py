@@ -28,14 +28,29 @@ CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qw
     # sync (tied): vLLM's enable_lora gets the adapters alone, under a new LoRA id at every push.
     ("qwen2_5_vl", 1, False, "merged"),
     ("qwen2_5_vl", 1, True, "adapter"),
+    # The MoE and hybrid families: Qwen3.5 in bf16, the only dtype of vLLM CPU's linear-attention kernel;
+    # Qwen3-VL-MoE in fp32 (transposed fused experts on the way to vLLM) and Qwen3.5-MoE in bf16 (hybrid
+    # layers, shared expert, per-expert tensors), which fail today (`MOE_PUSH`).
+    ("qwen3_5", 1, False, ""),
+    ("qwen3_vl_moe", 1, False, ""),
+    ("qwen3_5_moe", 1, False, ""),
 ]
+MOE_PUSH = pytest.mark.xfail(
+    strict=True,
+    reason="vLLM CPU's reload_weights of fused-MoE layers: pushing a file-loaded engine the checkpoint's own "
+    "tensors moves fp32 Qwen3-VL-MoE from 4.8e-7 to 6.0e-2 (benchmarks/moe_router_parity.py --reload); "
+    "here 6.1e-2 at the first push, 4.2e-1 after an update; see docs/models.md",
+)
+BF16 = {"qwen3_5", "qwen3_5_moe"}
+"""Families whose rollout runs in bf16 on the CPU; their bound is the one the dense families meet in bf16
+(tests/gpu: mean |vLLM - trainer| per token < 0.05 and 5x below the stale weights' mean)."""
 VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1, False)}
 """Cases whose prompts include videos and image + video prompts (one per family, no extra vLLM start)."""
 
 
 @pytest.mark.parametrize(
     "family, tp, tied, lora",
-    CASES,
+    [pytest.param(*c, marks=[MOE_PUSH] if c[0] in ("qwen3_vl_moe", "qwen3_5_moe") else []) for c in CASES],
     ids=[f"{f}-tp{tp}-{'tied' if t else 'untied'}{f'-lora-{m}' if m else ''}" for f, tp, t, m in CASES],
 )
 def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
@@ -44,6 +59,8 @@ def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
     videos = (family, tp, tied) in VIDEO_CASES and not lora
     job = ["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)]
     job += ["--videos"] if videos else []
+    dtype = "bfloat16" if family in BF16 else "float32"
+    job += ["--dtype", dtype]
     if lora:
         head = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
         job += ["--lora-rank", "8", "--lora-targets", "all-linear" if tied else head, "--lora-sync", lora]
@@ -54,7 +71,7 @@ def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
             "model": str(model_dir),
             "trust_remote_code": trust,
             "max_model_len": 1024,  # data.max_prompt_length + data.max_response_length (512 + 512)
-            "dtype": "float32",
+            "dtype": dtype,
             "seed": r["rank"] // tp,  # trainer.seed=0, one engine seed per TP group
             "tensor_parallel_size": tp,
             "max_num_seqs": RolloutConfig().max_num_seqs,
@@ -63,6 +80,11 @@ def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
         }, r["engine"]
         assert r["tied"] == tied
         assert r["num_response_tokens"] > 0
+        print({k: v for k, v in r.items() if k.endswith(("_max", "_mean"))})  # the figures, for the record
+        if dtype == "bfloat16":
+            assert r["new_diff_mean"] < 0.05 and r["new_diff_mean"] * 5 < r["old_diff_mean"], r
+            assert r["nosync_new_diff_max"] > r["nosync_old_diff_max"], r
+            continue
         # vLLM starts with dummy weights (it never reads the checkpoint); after the first push it agrees
         # with the trainer before any update.
         assert r["dummy_diff_max"] > 10 * TOL, r

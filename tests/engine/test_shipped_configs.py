@@ -7,7 +7,8 @@ dynamic sampling and overlong shaping, the rollout correction, the KL loss, `los
 activation checkpointing, the offload options, the dtypes, validation and checkpoint settings, the prompt
 template and the reward function.
 
-  * The model: a tiny random model of the same family (Qwen2-VL, Qwen2.5-VL or Qwen3-VL), with tied
+  * The model: a tiny random model of the same family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense or MoE, Qwen3.5
+    dense or MoE), with tied
     embeddings where the published model ties them (3B ties; 7B and 32B do not), built locally. For the geometry3k configs it is first nudged by
     a few supervised steps to answer `<think> ... </think> \\boxed{d}` with a random digit d: a random model
     never writes `\\boxed{}`, so the math reward would be 0 for every sample, and DAPO's dynamic sampling
@@ -38,6 +39,7 @@ from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import validate
 from spmd_grpo.data.synthetic import write_parquet
 from spmd_grpo.models.families import PUBLISHED
+from spmd_grpo.tools.make_tiny_model import save_model
 from tests.conftest import CACHE, REPO, tiny_model, torchrun
 
 RUN_ELSEWHERE = {
@@ -205,7 +207,7 @@ def _prime(path: Path) -> None:
         optimizer.step()
         optimizer.zero_grad()
     torch.set_num_threads(threads)
-    model.save_pretrained(path, safe_serialization=True)
+    save_model(model, path)  # in the published expert layout (what vLLM reads)
 
 
 def _swapped(cfg: Config, tmp_path: Path) -> list[str]:

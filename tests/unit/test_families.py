@@ -1,28 +1,115 @@
-"""The family table: which model types are supported, how each names its weights on disk, what a model path
-resolves to before anything is built, and that an unsupported model is refused at config time."""
+"""The family table: which model types are supported, how each names and lays out its weights on disk, what a
+model path resolves to before anything is built, and that an unsupported model is refused at config time."""
 
 import json
 
 import pytest
+import torch
 
 from spmd_grpo.models.families import (
     FAMILIES,
     PUBLISHED,
     QWEN2_5_VL,
     QWEN2_VL,
+    QWEN3_5_MOE,
     QWEN3_VL,
+    QWEN3_VL_MOE,
     SIZES_B,
+    UNCHECKED_SIZES,
     family_of_model_path,
 )
 from spmd_grpo.train import main
+from tests.conftest import tiny_model
+
+NEW_FAMILIES = ["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 
 
-def test_three_families_with_their_patch_sizes():
+def test_six_families_with_their_patch_sizes():
     assert {k: f.image_factor for k, f in FAMILIES.items()} == {
         "qwen2_vl": 28,
         "qwen2_5_vl": 28,
         "qwen3_vl": 32,
+        "qwen3_vl_moe": 32,
+        "qwen3_5": 32,
+        "qwen3_5_moe": 32,
     }
+    assert [k for k, f in FAMILIES.items() if f.moe] == ["qwen3_vl_moe", "qwen3_5_moe"]
+    assert [k for k, f in FAMILIES.items() if f.linear_attention] == ["qwen3_5", "qwen3_5_moe"]
+    assert [k for k, f in FAMILIES.items() if f.deepstack] == ["qwen3_vl", "qwen3_vl_moe"]
+
+
+def test_experts_go_out_in_the_published_layout_and_nothing_else_changes():
+    t = torch.arange(2 * 6 * 4.0).reshape(2, 6, 4)
+    experts = "model.language_model.layers.3.mlp.experts"
+    ((name, out),) = QWEN3_VL_MOE.hub_tensors(f"{experts}.gate_up_proj", t)
+    assert name == f"{experts}.gate_up_proj" and torch.equal(out, t.transpose(1, 2))
+    split = dict(QWEN3_5_MOE.hub_tensors(f"{experts}.gate_up_proj", t))
+    assert list(split) == [f"{experts}.{e}.{w}_proj.weight" for e in (0, 1) for w in ("gate", "up")]
+    assert torch.equal(split[f"{experts}.1.up_proj.weight"], t[1, 3:])
+    assert list(dict(QWEN3_5_MOE.hub_tensors(f"{experts}.down_proj", t))) == [
+        f"{experts}.0.down_proj.weight",
+        f"{experts}.1.down_proj.weight",
+    ]
+    for family, name in [
+        (QWEN3_VL_MOE, "model.language_model.layers.3.mlp.gate.weight"),
+        (QWEN3_VL, "model.language_model.layers.3.mlp.up_proj.weight"),
+    ]:
+        assert list(family.hub_tensors(name, t)) == [(name, t)]
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_tiny_model_has_what_vllm_cpu_needs(family):
+    """Every layer sparse with 8 experts, top 2, non-square experts; both layer types with linear head dim
+    128; mrope sections summing to the rotating half-dims; no DeepStack in Qwen3.5; experts in the hub layout
+    in the file."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    d = tiny_model(family=family)
+    text = AutoConfig.from_pretrained(d).text_config
+    rotary = int(text.head_dim * text.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert sum(text.rope_parameters["mrope_section"]) == rotary // 2
+    with safe_open(d / "model.safetensors", "pt") as st:
+        shapes = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
+    layer = "model.language_model.layers.0.mlp.experts"
+    if FAMILIES[family].moe:
+        assert (text.num_experts, text.num_experts_per_tok, text.norm_topk_prob) == (8, 2, True)
+        assert text.moe_intermediate_size != text.hidden_size
+    if family == "qwen3_vl_moe":
+        assert text.decoder_sparse_step == 1 and text.mlp_only_layers == []
+        assert shapes[f"{layer}.gate_up_proj"] == (8, 64, 192) and shapes[f"{layer}.down_proj"] == (8, 96, 64)
+    if family == "qwen3_5_moe":  # what save_pretrained writes and the published checkpoints hold
+        assert shapes[f"{layer}.7.gate_proj.weight"] == (96, 64) and f"{layer}.gate_up_proj" not in shapes
+    if FAMILIES[family].linear_attention:
+        assert set(text.layer_types) == {"linear_attention", "full_attention"}
+        assert text.linear_key_head_dim == text.linear_value_head_dim == 128
+        assert AutoConfig.from_pretrained(d).vision_config.deepstack_visual_indexes == []
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_experts_load_from_the_file_layout_and_push_in_the_hub_layout(family):
+    """The loader fills transformers' expert layout from the file's (transposed / per expert) exactly as
+    `from_pretrained` does, and the weight stream gives back every tensor of the published-layout file, bit
+    for bit: a transposed expert would fail both on shape (the experts are not square)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from spmd_grpo.models.weights import load_safetensors_into
+    from spmd_grpo.rollout.weight_sync import iter_sharded_weights
+
+    d = tiny_model(family=family)
+    fam = FAMILIES[family]
+    want = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
+    state = {k: torch.zeros_like(v) for k, v in want.state_dict().items()}
+    load_safetensors_into(state, d, name_map=fam.on_disk_name, is_fused_expert=fam.moe.is_fused_expert)
+    for k, v in want.state_dict().items():
+        assert torch.equal(state[k], v), k
+    pushed = dict(
+        iter_sharded_weights(want, torch.float32, 1 << 20, tie_word_embeddings=False, layout=fam.hub_tensors)
+    )
+    on_disk = load_file(str(d / "model.safetensors"))
+    assert pushed.keys() == on_disk.keys()
+    assert all(torch.equal(pushed[k], on_disk[k]) for k in on_disk)
 
 
 @pytest.mark.parametrize("family", [QWEN2_VL, QWEN2_5_VL])
@@ -59,17 +146,18 @@ def test_an_unsupported_model_is_refused_at_config_time_naming_the_supported_one
     err = capsys.readouterr().err.strip()
     assert err == (
         f"config error: worker.actor.model.model_path={str(tmp_path)!r}: {tmp_path / 'config.json'} has model_type 'llava', which is not supported; supported: "
-        "Qwen2-VL (model_type qwen2_vl), Qwen2.5-VL (model_type qwen2_5_vl), Qwen3-VL (model_type qwen3_vl)"
+        "Qwen2-VL (model_type qwen2_vl), Qwen2.5-VL (model_type qwen2_5_vl), Qwen3-VL (model_type qwen3_vl), "
+        "Qwen3-VL-MoE (model_type qwen3_vl_moe), Qwen3.5 (model_type qwen3_5), Qwen3.5-MoE (model_type qwen3_5_moe)"
     )
 
 
-@pytest.mark.parametrize("model_id", sorted(PUBLISHED))
+@pytest.mark.parametrize("model_id", sorted(SIZES_B))
 def test_every_published_architecture_has_its_published_size(model_id):
     """Built on the meta device from the table, each model has the size its model card states (to the card's
     three significant digits), so a wrong width, depth, vocabulary or tie in the table shows here."""
     from spmd_grpo.dry_run import _count_parameters
 
-    assert set(SIZES_B) == set(PUBLISHED)
+    assert set(SIZES_B) | UNCHECKED_SIZES == set(PUBLISHED) and not set(SIZES_B) & UNCHECKED_SIZES
     params_b = _count_parameters(PUBLISHED[model_id].published_config(model_id)).num_params / 1e9
     assert params_b == pytest.approx(SIZES_B[model_id], rel=0.002), params_b
 
@@ -82,3 +170,61 @@ def test_the_small_qwen3_vl_models_dry_run_on_8_nodes(model_id):
     cfg = load_config("configs/qwen3_vl_8b_geo3k_grpo.yaml", [f"worker.actor.model.model_path={model_id}"])
     plan = dry_run(cfg, nnodes=8, nproc_per_node=8, device_memory_gb=80)
     assert "world 64" in plan and f"{SIZES_B[model_id]:.2f}B parameters" in plan, plan
+
+
+def test_qwen3_5_on_cpu_needs_a_bf16_rollout(capsys):
+    """vLLM's CPU Gated DeltaNet kernel runs in bf16 only: an fp32 rollout stops at config time."""
+    d = tiny_model(family="qwen3_5")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["configs/smoke.yaml", f"worker.actor.model.model_path={d}", "worker.rollout.dtype=float32"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: worker.rollout.dtype=float32: Qwen3.5's linear-attention layers run in vLLM's CPU build "
+        "only in bfloat16 (got float32); set bfloat16"
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_the_export_writes_the_published_expert_layout(tmp_path, family):
+    """A checkpoint of the policy (transformers' memory layout, as the trainer saves it) exports to exactly
+    the published-layout file the tiny model was built from (Qwen3-VL-MoE's transposed fused experts,
+    Qwen3.5-MoE's one tensor per expert), every other tensor as is."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from spmd_grpo.run.export import export_hf
+
+    src = tiny_model(family=family)
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
+    ckpt = tmp_path / "global_step_1"
+    dcp.save(
+        {f"model.hf.{k}": v for k, v in model.state_dict().items()}, checkpoint_id=str(ckpt), no_dist=True
+    )
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "model_path": str(src)}))
+    out = export_hf(ckpt, tmp_path / "hf", "float32")
+    exported, published = load_file(str(out / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    assert exported.keys() == published.keys()
+    assert all(torch.equal(exported[k], published[k]) for k in published)
+
+
+def test_a_moe_checkpoint_that_vllm_would_route_differently_is_refused(tmp_path, capsys):
+    """transformers' MoE routers always renormalise the top-k probabilities; vLLM follows norm_topk_prob."""
+    import shutil
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model(family="qwen3_vl_moe"), d)
+    config = json.loads((d / "config.json").read_text())
+    config["text_config"]["norm_topk_prob"] = False
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit):
+        main(["configs/smoke.yaml", f"worker.actor.model.model_path={d}"])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "config.json: text_config.norm_topk_prob is false, but transformers always renormalises the top-k"
+        )
+    )

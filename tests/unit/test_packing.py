@@ -1,5 +1,7 @@
 """Padding-free (packed) forward and reused image features give the padded, encode-every-time results.
 
+The MoE and hybrid families (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) are checked on one mix with the varlen path.
+
 Tiny random Qwen2.5-VL in fp32 on CPU, with both packed attention paths: transformers' sdpa (it builds the
 block-diagonal causal mask from the packed position ids) and the per-sequence varlen sdpa. Compared: per-token logprobs and entropy, and the gradient of every parameter, for
 several mixes of prompt/response lengths with images of different sizes, two images in one prompt and a
@@ -119,6 +121,33 @@ def test_packed_forward_equals_padded_logprobs_and_gradients(tiny, mix, attentio
     weights = torch.rand(padded.response_mask.shape, generator=torch.Generator().manual_seed(0))
     lp_pad, _ = _assert_same_pass(policy, padded, packed, weights, atol=1e-5)
     assert (lp_pad[padded.response_mask == 0] == 0).all() and (lp_pad[padded.response_mask == 1] < 0).all()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def test_packed_equals_padded_for_the_moe_and_hybrid_families(family, monkeypatch):
+    """MoE: routing is per token with no capacity, so a token's experts do not depend on the row it shares.
+    Qwen3.5: the Gated DeltaNet state and its causal convolution restart at each packed sequence; without
+    the restart (negative control) the packed row differs from the padded batch."""
+    from spmd_grpo.models import policy as policy_module
+
+    d = tiny_model(family=family)
+    processor = AutoProcessor.from_pretrained(d)
+    hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation=VARLEN_SDPA)
+    policy = PolicyModule(hf, unsamplable_token_ids(hf.config), chunk_size=5)
+    seqs = _sequences(processor, LENGTH_MIXES["two-images-and-text-only"])
+    pad = processor.tokenizer.pad_token_id
+    padded, packed = collate(*seqs, pad), collate(*seqs, pad, packed=True)
+    weights = torch.rand(padded.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    _assert_same_pass(policy, padded, packed, weights, atol=1e-5)
+    if family == "qwen3_5":
+        hf = AutoModelForImageTextToText.from_pretrained(
+            d, dtype=torch.float32, attn_implementation=VARLEN_SDPA
+        )
+        monkeypatch.setattr(policy_module, "split_packed_linear_attention", lambda *args: 0)
+        unsplit = PolicyModule(hf, unsamplable_token_ids(hf.config), chunk_size=5)
+        with torch.no_grad():
+            lp_pad, lp_packed = unsplit(padded)[0], unsplit(packed)[0]
+        assert (lp_pad - lp_packed).abs().max() > 1e-4
 
 
 def test_varlen_sdpa_batches_equal_lengths_and_builds_no_mask(tiny, monkeypatch):

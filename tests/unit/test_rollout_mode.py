@@ -49,6 +49,7 @@ def fake_engine(events: list, sleep_level: int) -> RolloutEngine:
     engine.cfg = RolloutConfig(sleep_level=sleep_level, weight_sync_bucket_mb=1)
     engine.world = SimpleNamespace(device_type="cuda", device="cuda:0")  # never touched: faked moves
     engine.dtype, engine.tie_word_embeddings = torch.float32, False
+    engine.weight_layout = lambda name, tensor: [(name, tensor)]
     engine.sleep_enabled, engine.asleep = True, False
     return engine
 
