@@ -59,18 +59,11 @@ def test_grouped_mm_path_is_taken_on_this_cpu():
 
 # ------------------------------------------------------------------------------------------- routing replay
 @pytest.fixture
-def near_tie_policy(monkeypatch):
+def near_tie_policy():
     """A tiny Qwen3-VL-MoE policy whose routers hold near-identical rows (experts 0,1,2 / 3,4,5 / 6,7 differ
-    by 1e-7 relative): top-2 then chooses between near ties, and rounding decides. Until the families
-    change registers `qwen3_vl_moe`, the test gives it Qwen3-VL's family (the same positions and towers)."""
-    import dataclasses
-
-    from spmd_grpo.models import families
+    by 1e-7 relative): top-2 then chooses between near ties, and rounding decides."""
     from spmd_grpo.models.policy import PolicyModule
 
-    if "qwen3_vl_moe" not in families.FAMILIES:
-        moe_family = dataclasses.replace(families.QWEN3_VL, model_type="qwen3_vl_moe")
-        monkeypatch.setitem(families.FAMILIES, "qwen3_vl_moe", moe_family)
     hf = tiny_moe_model("qwen3_vl_moe")
     torch.manual_seed(3)
     for _, block in moe_blocks(hf):
