@@ -34,6 +34,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "step_of",
             "complete_checkpoints",
             "damaged_parts",
+            "has_manifest",
+            "saved_lora_rank",
             "find_checkpoint",
         ),
         "manifest": (
@@ -64,6 +66,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "LOCK",
             "lock_run_dir",
             "name_holder",
+            "check_not_locked",
+            "check_writable",
         ),
         "start": (
             "MEANING_CHANGING",

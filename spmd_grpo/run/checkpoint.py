@@ -246,7 +246,13 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
     model_sd, optim_sd = get_state_dict(policy, optim.optimizer, options=options)
     to_load = {"model": model_sd, "optim": optim_sd}
     _check_keys(path, to_load)
-    dcp.load(to_load, checkpoint_id=str(path))
+    try:
+        dcp.load(to_load, checkpoint_id=str(path))
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; it names no file
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"{path}: the DCP shards failed to load ({type(e).__name__}: {first})") from None
     set_state_dict(
         policy,
         optim.optimizer,
@@ -302,6 +308,9 @@ def _load_data(file: Path):
         raise ValueError(
             f"{file}: refused to load (it holds more than tensors and plain data): {first}"
         ) from None
+    except Exception as e:  # a torn archive: the file is named, not only the archive reader's complaint
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{file}: unreadable ({type(e).__name__}: {first})") from None
 
 
 def _check_keys(path: Path, to_load: dict) -> None:
