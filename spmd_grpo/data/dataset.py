@@ -199,17 +199,8 @@ def load_dataset(
         raise ValueError(f"the ranks opened different files of {source}: {[what for _, what, _ in parts]}")
     results = [result for _, _, part in parts for result in part]
     examples = _examples(sources, unreadable, results, cfg, log=rank == 0, name=source)
-    videos = {
-        sources[r.source].index_offset + r.row: r.videos
-        for r in results
-        if isinstance(r, KeptRow) and r.videos
-    }
-    kept, too_long = _drop_too_long(examples, source, cfg, videos, log=rank == 0)
-    if not kept:
-        why = "; ".join(filter(None, [_bad_row_counts(results), too_long and f"too long: {too_long}"]))
-        raise ValueError(
-            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): {why}"
-        )
+    videos = {sources[r.source].index_offset + r.row: r.videos for r in results if getattr(r, "videos", "")}
+    kept = _drop_too_long(examples, source, cfg, videos, bad_rows=_bad_row_counts(results), log=rank == 0)
     if rank == 0:
         logger.info("loaded %d %s examples from %s", len(kept), split, source)
     return kept
@@ -313,19 +304,23 @@ def _check_bad_fraction(source: Rows, bad: list[SkippedRow], cfg: DataConfig) ->
 
 
 def _drop_too_long(
-    examples: list[Example], source: str, cfg: DataConfig, videos: dict[int, str], *, log: bool
-) -> tuple[list[Example], str]:
-    """The examples within data.max_prompt_length after image and video expansion, in order, and a
-    description of the others (their lengths and videos, and the keys that shorten them; '' when none is
-    too long), which one log line gives."""
+    examples: list[Example], source: str, cfg: DataConfig, videos: dict[int, str], *, bad_rows: str, log: bool
+) -> list[Example]:
+    """The examples within data.max_prompt_length after image and video expansion, in order; one log line
+    describes the others (their lengths and videos, and the keys that shorten them). None left: a
+    ValueError with that description and `bad_rows` (the counts of the rows skipped before)."""
     kept, too_long = [], []
     for example in examples:
         if example.num_prompt_tokens > cfg.max_prompt_length:
             too_long.append(example)
         else:
             kept.append(example)
+    if not too_long and kept:
+        return kept
     if not too_long:
-        return kept, ""
+        raise ValueError(
+            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): {bad_rows}"
+        )
     named = [
         f"row {e.index}: {e.num_prompt_tokens} tokens"
         + (f" ({videos[e.index]})" if e.index in videos else "")
@@ -344,7 +339,12 @@ def _drop_too_long(
         )
     elif too_long[0].source.images(too_long[0].row):  # (decodes that row's images once)
         what += ", or shrink the images with data.max_pixels"
+    if not kept:
+        why = "; ".join(filter(None, [bad_rows, f"too long: {what}"]))
+        raise ValueError(
+            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): {why}"
+        )
     if log:
         logger.warning("filtered %s from %s: longer than data.max_prompt_length=%d", what, source,
                        cfg.max_prompt_length)  # fmt: skip
-    return kept, what
+    return kept
