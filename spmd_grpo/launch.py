@@ -57,15 +57,29 @@ def check_before_start(argv: list[str]) -> None:
 
 
 class _QuietConfigErrors(logging.Filter):
-    """Drops torchrun's "failed (exitcode: 2)" line of a rank that stopped at a config error: the rank
-    printed the reason itself, in one line."""
+    """Drops torchrun's lines about a rank that stopped at a config error (exit code 2) and printed the
+    reason itself, in one line: its "failed (exitcode: 2)" line, and "Sending process N closing signal
+    SIGTERM" for the other ranks it then stops. The latter is known to follow a config error only from the
+    failures torchrun has recorded when it logs it (its process context's `_failures`, found on the stack);
+    where they cannot be found the line shows."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            str(record.msg).startswith("failed (exitcode: %s)")
-            and record.args
-            and record.args[0] == CONFIG_ERROR
-        )
+        message = str(record.msg)
+        if message.startswith("failed (exitcode: %s)") and record.args:
+            return record.args[0] != CONFIG_ERROR
+        if message.startswith("Sending process %s closing signal"):
+            return not _after_config_error()
+        return True
+
+
+def _after_config_error() -> bool:
+    frame = sys._getframe()
+    while frame is not None:
+        failures = getattr(frame.f_locals.get("self"), "_failures", None)
+        if isinstance(failures, dict):
+            return any(getattr(f, "exitcode", None) == CONFIG_ERROR for f in failures.values())
+        frame = frame.f_back
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:
