@@ -18,6 +18,7 @@ from PIL import Image
 from safetensors import safe_open
 
 import spmd_grpo.run.export as export_mod
+from spmd_grpo.run.checkpoint_dirs import saved_lora_rank
 from spmd_grpo.run.export import export_hf
 from tests.conftest import REPO, tiny_model
 
@@ -72,6 +73,7 @@ def test_export_loads_in_transformers_and_vllm(family, tied, saved_checkpoints, 
     work = saved_checkpoints(model_dir)  # the checkpoint tests' save, shared (one launch per model)
     trained = torch.load(work / "save.pt", weights_only=False)["at_save"]["params"]  # the checkpoint's
     ckpt = work / "run" / "checkpoints" / "global_step_2"
+    assert saved_lora_rank(ckpt) == 0  # whole weights: a resume with LoRA is refused
 
     # Streaming: every DCP read holds at most one shard's tensors.
     loads = []
@@ -172,6 +174,7 @@ def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(saved_
     trained = torch.load(work / "save.pt", weights_only=False)["at_save"]["params"]
     adapters = {n: t for n, t in trained.items() if ".lora_" in n}
     ckpt = work / "run" / "checkpoints" / "global_step_2"
+    assert saved_lora_rank(ckpt) == 4  # what a resume compares with worker.actor.model.lora.rank
     out = export_hf(ckpt, tmp_path / "adapter", "float32", merged=tmp_path / "merged")
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((out / "adapter_config.json").read_text())
