@@ -22,6 +22,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "checkpoint": (
             "save_checkpoint",
             "load_checkpoint",
+            "load_or_fall_back",
+            "UnreadableCheckpoint",
             "write_atomic",
         ),
         "checkpoint_dirs": (
@@ -36,6 +38,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "damaged_parts",
             "has_manifest",
             "saved_lora_rank",
+            "fallback_checkpoint",
             "find_checkpoint",
         ),
         "manifest": (

@@ -198,3 +198,20 @@ def _say_if_unverified(path: Path, say, prefix: str) -> None:
             path,
             MANIFEST,
         )
+
+
+def fallback_checkpoint(failed: Path, error: Exception, *, rank: int) -> Path | None:
+    """After `failed` (resumed by trainer.resume=auto) did not load: the previous complete, undamaged
+    checkpoint of its run (sizes checked; the same answer on every rank), as for a damaged one found before
+    the start. Only for a checkpoint without a manifest, whose damage could not be seen beforehand (None for
+    any other: its failure is not damage). Rank 0 says it, once."""
+    if has_manifest(failed):
+        return None
+    complete = complete_checkpoints(failed.parent)
+    for path in [complete[step] for step in sorted(complete, reverse=True) if step < (step_of(failed) or 0)]:
+        if not damaged_parts(path, checksums=False):
+            if rank == 0:
+                log.warning("rank 0: %s failed to load (%s): it had no manifest to verify it before; resuming "
+                            "the previous complete checkpoint %s", failed, error, path)  # fmt: skip
+            return path
+    return None

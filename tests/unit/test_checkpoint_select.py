@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 from spmd_grpo.actor.optimizer import OptimizerBundle
-from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
+from spmd_grpo.run.checkpoint import (
+    UnreadableCheckpoint,
+    load_checkpoint,
+    load_or_fall_back,
+    save_checkpoint,
+)
 from spmd_grpo.run.checkpoint_dirs import damaged_parts, find_checkpoint, missing_parts
 from spmd_grpo.run.manifest import file_crc32
 from tests.conftest import ONE_CPU_RANK, fake_checkpoint
@@ -259,9 +264,13 @@ def test_without_a_manifest_the_resume_warns_once_and_a_torn_file_falls_back(tmp
 
     def warnings_of(call) -> list[str]:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="spmd_grpo.run.checkpoint_dirs"):
+        with caplog.at_level(logging.WARNING, logger="spmd_grpo.run"):
             call()
-        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("spmd_grpo")
+        ]
 
     assert warnings_of(lambda: find_checkpoint(tmp_path, "auto", rank=None)) == []  # not the speaking rank
     (warning,) = warnings_of(lambda: find_checkpoint(tmp_path, "auto", rank=0))
@@ -279,6 +288,25 @@ def test_without_a_manifest_the_resume_warns_once_and_a_torn_file_falls_back(tmp
         with pytest.raises(ValueError, match=f"{newest / victim}: unreadable"):
             load_checkpoint(newest, policy=model, optim=optim, world=ONE_CPU_RANK)
         (newest / victim).write_bytes((root / "global_step_1" / victim).read_bytes())  # whole again
+    # A shard zeroed in place (its size unchanged: nothing to see without a manifest) is resumed, fails in
+    # DCP's load naming the checkpoint, and the previous checkpoint is loaded instead (trainer.resume=auto).
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(bytes(shard.stat().st_size))
+    assert find_checkpoint(tmp_path, "auto", rank=None) == newest
+    with pytest.raises(UnreadableCheckpoint, match=f"{newest}: its DCP shards failed to load \\(rank 0: "):
+        load_or_fall_back(newest, policy=model, optim=optim, world=ONE_CPU_RANK, auto=False)
+    fresh, fresh_optim = make_bundle(1)
+    (fallback,) = warnings_of(
+        lambda: (
+            load_or_fall_back(newest, policy=fresh, optim=fresh_optim, world=ONE_CPU_RANK, auto=True)["step"]
+            == 1
+            or pytest.fail()
+        )
+    )
+    assert fallback.startswith(f"rank 0: {newest} failed to load ({newest}: its DCP shards failed to load"), (
+        fallback
+    )
+    assert fallback.endswith(f"resuming the previous complete checkpoint {root / 'global_step_1'}"), fallback
 
 
 def test_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp_path):
