@@ -3,7 +3,13 @@
 `plan_start(cfg)` runs in `spmd_grpo.train` on every rank, after the config is validated and before the
 process group exists. It only reads files, and nothing is written until every rank has joined the process
 group (which needs every rank past this point), so all ranks decide from the same files. A problem is a
-`ConfigError`: one line, exit code 2, before any model or vLLM engine is built.
+`ConfigError`: one line, exit code 2, before any model or vLLM engine is built. `spmd_grpo.launch` runs it
+once more before it starts the ranks (`launcher=True`: sizes only, no warnings; rank 0 gives those).
+
+The checkpoint to resume must be of the kind the config trains: a LoRA checkpoint holds adapters only, and
+neither full fine-tuning nor adapters of another rank can load them, nor adapters whole weights; such a
+resume is refused with the way out (resume with the saved rank, or export the checkpoint, merged for LoRA,
+and start a new run from it), even where `trainer.allow_config_change` lets the rank change pass the diff.
 
 The run directory (`<trainer.output_dir>/<trainer.experiment_name>`) HOLDS A RUN when it has a
 `config.yaml`, `metrics.jsonl`, `val_generations.jsonl`, `tensorboard/` or a non-empty `checkpoints/`
