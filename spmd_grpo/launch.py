@@ -8,15 +8,78 @@ process (same options, same agent, same forwarding of signals to the ranks) and 
   * the agent was signalled (SIGTERM/SIGINT/...): 128 + that signal, once the ranks are done;
   * every failed rank exited with the same 128 + SIGTERM/SIGINT (the ranks were signalled directly, as Slurm
     does to every process of a job step): that code;
+  * a rank that stopped at a config error (exit code 2, after printing its one line): 2, without torchrun's
+    failure report;
   * anything else as torchrun (0, or 1 with its failure report).
+
+Before torchrun starts any rank, a `-m spmd_grpo.train` job's config is checked here, once (the same checks
+every rank runs: `spmd_grpo.train.prepare`, without locking the run directory and without the checkpoint
+checksums, which rank 0 verifies): a mistake prints its one line once and exits 2 within seconds, instead
+of once per rank after every rank has imported torch, with torchrun's `ChildFailedError` report after it.
+The world size is `--nnodes` x `--nproc_per_node`; with an elastic node range (`--nnodes MIN:MAX`) it is not
+known yet and the check is left to the ranks. A rank can still stop at a config error the launcher did not
+see (a file only that node lacks, a job that took the run directory in between): exit code 2 as well.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
 STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)
+CONFIG_ERROR = 2  # spmd_grpo.train's exit code for a config, version or run-directory error
+TRAIN_MODULE = "spmd_grpo.train"
+
+
+def check_before_start(argv: list[str]) -> None:
+    """Check a `-m spmd_grpo.train` job's config (what every rank would check first) before any rank
+    exists; a mistake prints its one line and exits 2. Anything else (another entry point, an elastic node
+    range, `--dry-run`) is left to torchrun and the ranks."""
+    from torch.distributed.run import determine_local_world_size, parse_args, parse_min_max_nnodes
+
+    args = parse_args(argv)  # torchrun's own parser: a bad torchrun option fails here as it would there
+    if not (args.module and args.training_script == TRAIN_MODULE):
+        return
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    if min_nodes != max_nodes:
+        return
+    world_size = max_nodes * determine_local_world_size(args.nproc_per_node)
+    from spmd_grpo.config.checks import ConfigError
+    from spmd_grpo.train import one_line_error, prepare
+    from spmd_grpo.versions import VersionError
+
+    try:
+        prepare(list(args.training_script_args), world_size, rank=None)
+    except (ConfigError, ValueError, VersionError) as e:
+        print(one_line_error(e), file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR) from None
+
+
+class _QuietConfigErrors(logging.Filter):
+    """Drops torchrun's lines about a rank that stopped at a config error (exit code 2) and printed the
+    reason itself, in one line: its "failed (exitcode: 2)" line, and "Sending process N closing signal
+    SIGTERM" for the other ranks it then stops. The latter is known to follow a config error only from the
+    failures torchrun has recorded when it logs it (its process context's `_failures`, found on the stack);
+    where they cannot be found the line shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("failed (exitcode: %s)") and record.args:
+            return record.args[0] != CONFIG_ERROR
+        if message.startswith("Sending process %s closing signal"):
+            return not _after_config_error()
+        return True
+
+
+def _after_config_error() -> bool:
+    frame = sys._getframe()
+    while frame is not None:
+        failures = getattr(frame.f_locals.get("self"), "_failures", None)
+        if isinstance(failures, dict):
+            return any(getattr(f, "exitcode", None) == CONFIG_ERROR for f in failures.values())
+        frame = frame.f_back
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,8 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    argv = sys.argv[1:] if argv is None else argv
+    check_before_start(argv)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietConfigErrors())
     try:
-        torchrun(sys.argv[1:] if argv is None else argv)
+        torchrun(argv)
     except SignalException as e:
         print(
             f"spmd_grpo.launch: torchrun got signal {int(e.sigval)}; exit code {128 + e.sigval}",
@@ -36,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         codes = {failure.exitcode for failure in e.failures.values()}
         if len(codes) == 1 and codes <= set(STOP_CODES):
             raise SystemExit(codes.pop()) from None
+        if e.get_first_failure()[1].exitcode == CONFIG_ERROR:  # its rank printed the one-line reason
+            raise SystemExit(CONFIG_ERROR) from None
         raise
 
 

@@ -50,7 +50,7 @@ from spmd_grpo.rollout.dynamic_sampling import collect_groups
 from spmd_grpo.rollout.engine import RolloutEngine
 from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, attach_video_inputs, generate
 from spmd_grpo.rollout.validation import VAL_SEED_OFFSET, validate
-from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
+from spmd_grpo.run.checkpoint import load_or_fall_back, save_checkpoint
 from spmd_grpo.run.lineage import abandon_branch, agree_on_start
 from spmd_grpo.run.start import StartPlan, plain_config, plan_start, write_run_config
 from spmd_grpo.telemetry.loggers import Loggers, build_loggers, setup_logging
@@ -347,7 +347,10 @@ class Trainer:
         plan chose (run/start.py; the config was checked against the saved one before anything was built)."""
         if self.plan.checkpoint is None:
             return
-        saved = load_checkpoint(self.plan.checkpoint, policy=self.policy, optim=self.optim, world=self.world)
+        auto = self.cfg.trainer.resume == "auto"  # an unverified checkpoint that fails: the previous one
+        saved = load_or_fall_back(
+            self.plan.checkpoint, policy=self.policy, optim=self.optim, world=self.world, auto=auto
+        )
         if not self.plan.reset_data_position:
             self.sampler.load_state_dict(saved["sampler"])
         self.state.step, self.state.version = saved["step"], saved["version"]

@@ -23,7 +23,7 @@ if concatenated in sorted order) are split into `world_size` contiguous ranges, 
 range, `ROW_BATCH` rows at a time (parquet: `ParquetFile.iter_batches` over the row groups that overlap it). It
 checks every row, decoding each image fully to do so (truncated data fails only there) and dropping the pixels
 right after, so that a row that passed cannot fail later, in the trainer's processor or in vLLM. Prompts longer
-than `max_prompt_length` after image expansion are dropped, never truncated (truncation would split an image's
+than `max_prompt_length` after image and video expansion are dropped, never truncated (truncation would split an image's
 pad tokens). The per-row results (kept rows with their text, answer and token ids; bad rows with their reasons)
 are all-gathered with the `all_gather` the caller passes (`parallel.all_gather_objects` under torchrun), so
 every rank holds the same Examples and raises the same errors; only rank 0 logs. A rank that cannot read its
@@ -199,12 +199,8 @@ def load_dataset(
         raise ValueError(f"the ranks opened different files of {source}: {[what for _, what, _ in parts]}")
     results = [result for _, _, part in parts for result in part]
     examples = _examples(sources, unreadable, results, cfg, log=rank == 0, name=source)
-    kept = _drop_too_long(examples, source, cfg, log=rank == 0)
-    if not kept:
-        raise ValueError(
-            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): "
-            f"{_bad_row_counts(results) or 'every prompt is too long'}"
-        )
+    videos = {sources[r.source].index_offset + r.row: r.videos for r in results if getattr(r, "videos", "")}
+    kept = _drop_too_long(examples, source, cfg, videos, bad_rows=_bad_row_counts(results), log=rank == 0)
     if rank == 0:
         logger.info("loaded %d %s examples from %s", len(kept), split, source)
     return kept
@@ -307,24 +303,48 @@ def _check_bad_fraction(source: Rows, bad: list[SkippedRow], cfg: DataConfig) ->
         )
 
 
-def _drop_too_long(examples: list[Example], source: str, cfg: DataConfig, *, log: bool) -> list[Example]:
-    """The examples within data.max_prompt_length after image expansion, in order; one log line names the
-    others."""
+def _drop_too_long(
+    examples: list[Example], source: str, cfg: DataConfig, videos: dict[int, str], *, bad_rows: str, log: bool
+) -> list[Example]:
+    """The examples within data.max_prompt_length after image and video expansion, in order; one log line
+    describes the others (their lengths and videos, and the keys that shorten them). None left: a
+    ValueError with that description and `bad_rows` (the counts of the rows skipped before)."""
     kept, too_long = [], []
     for example in examples:
         if example.num_prompt_tokens > cfg.max_prompt_length:
-            too_long.append(example.index)
+            too_long.append(example)
         else:
             kept.append(example)
-    if too_long and log:
-        logger.warning(
-            "filtered %d of %d prompts from %s longer than data.max_prompt_length=%d after image expansion "
-            "(rows %s%s)",
-            len(too_long),
-            len(examples),
-            source,
-            cfg.max_prompt_length,
-            ", ".join(map(str, too_long[:5])),
-            ", ..." if len(too_long) > 5 else "",
+    if not too_long and kept:
+        return kept
+    if not too_long:
+        raise ValueError(
+            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): {bad_rows}"
         )
+    named = [
+        f"row {e.index}: {e.num_prompt_tokens} tokens"
+        + (f" ({videos[e.index]})" if e.index in videos else "")
+        for e in too_long[:5]
+    ]
+    lengths = sorted(e.num_prompt_tokens for e in too_long)
+    what = (
+        f"{len(too_long)} of {len(examples)} prompts, {lengths[0]} to {lengths[-1]} tokens after image and "
+        f"video expansion ({'; '.join(named)}{'; ...' if len(too_long) > 5 else ''}): raise "
+        "data.max_prompt_length"
+    )
+    if any(e.index in videos for e in too_long):
+        what += (
+            ", or shorten the videos' prompts (fewer, smaller frames) with data.video_max_frames, "
+            "data.video_fps, data.video_max_pixels or data.video_total_pixels"
+        )
+    elif too_long[0].source.images(too_long[0].row):  # (decodes that row's images once)
+        what += ", or shrink the images with data.max_pixels"
+    if not kept:
+        why = "; ".join(filter(None, [bad_rows, f"too long: {what}"]))
+        raise ValueError(
+            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): {why}"
+        )
+    if log:
+        logger.warning("filtered %s from %s: longer than data.max_prompt_length=%d", what, source,
+                       cfg.max_prompt_length)  # fmt: skip
     return kept

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from spmd_grpo.data.images import BadRow, decode_image, image_list, resized_size
 from spmd_grpo.data.prompts import Prompting, chat_messages, check_text, with_video_metadata
 from spmd_grpo.data.sources import Rows, Unreadable
-from spmd_grpo.data.videos import Video, decode_video, video_list
+from spmd_grpo.data.videos import Video, decode_video, video_list, video_name
 
 
 class KeptRow(NamedTuple):
@@ -30,6 +30,9 @@ class KeptRow(NamedTuple):
     data_source: str
     token_ids: array
     num_prompt_tokens: int
+    videos: str = ""
+    """What the row's videos became (`name: T frames of WxH`), kept only for a row over
+    data.max_prompt_length: its length filter names them."""
 
 
 class SkippedRow(NamedTuple):
@@ -84,9 +87,10 @@ def _answer(value: Any) -> str:
     return str(int(number)) if number.is_integer() and abs(number) < 2**53 else repr(number)
 
 
-def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, str, array, int]:
-    """(problem, answer, token ids, tokens after image and video expansion) of a good row; `BadRow` names a
-    bad one. Each image and video is decoded to check it, and dropped."""
+def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, str, array, int, str]:
+    """(problem, answer, token ids, tokens after image and video expansion, its videos described when it is
+    too long) of a good row; `BadRow` names a bad one. Each image and video is decoded to check it, and
+    dropped."""
     problem = _text(values["problem"], "problem")
     if not problem.strip():
         raise BadRow("empty problem")
@@ -108,9 +112,16 @@ def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, s
     if ids.count(prompting.image_pad_id) != len(images) or ids.count(prompting.video_pad_id) != len(videos):
         raise BadRow("prompt has more image or video tokens than images and videos")
     if decoded:
-        return problem, answer, array("i", ids), _expanded_length(prompt, source, values, decoded, prompting)
+        length = _expanded_length(prompt, source, values, decoded, prompting)
+        named = ""
+        if length > cfg.max_prompt_length:
+            named = "; ".join(
+                f"video {video_name(entry)}: {len(v.frames)} frames of {v.frames.shape[2]}x{v.frames.shape[1]}"
+                for entry, v in zip(videos, decoded, strict=True)
+            )
+        return problem, answer, array("i", ids), length, named
     expansion = sum((height // factor) * (width // factor) - 1 for width, height in sizes)
-    return problem, answer, array("i", ids), len(ids) + expansion
+    return problem, answer, array("i", ids), len(ids) + expansion, ""
 
 
 def _expanded_length(
@@ -162,13 +173,13 @@ def check_share(sources: list[Rows], prompting: Prompting, rank: int, world_size
                 break
             row, values = item
             try:
-                problem, answer, ids, length = _check_row(values, source, prompting)
+                problem, answer, ids, length, videos = _check_row(values, source, prompting)
             except BadRow as reason:
                 results.append(SkippedRow(k, row, str(reason)))
                 continue
             data_source = values["data_source"]
             data_source = data_source if isinstance(data_source, str) else _label(data_source)
-            results.append(KeptRow(k, row, problem, answer, data_source, ids, length))
+            results.append(KeptRow(k, row, problem, answer, data_source, ids, length, videos))
     return results
 
 

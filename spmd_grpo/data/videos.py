@@ -104,6 +104,15 @@ def video_list(videos: Any) -> list:
     return list(videos)
 
 
+def video_name(entry: Any) -> str:
+    """How a message names a video entry: its path, else its size in bytes."""
+    path = entry.get("path") if isinstance(entry, dict) else entry if isinstance(entry, str) else None
+    data = entry.get("bytes") if isinstance(entry, dict) else entry
+    if path:
+        return str(path)
+    return f"({len(data)} bytes)" if isinstance(data, bytes | bytearray) else f"({type(entry).__name__})"
+
+
 def _source(entry: Any, base_dir: Path | None):
     data, path = entry, None
     if isinstance(entry, dict):

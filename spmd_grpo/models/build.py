@@ -166,7 +166,8 @@ def meta_hf_model(
 
 def check_lora_targets(model_path: str, cfg: LoRAConfig, *, trust_remote_code: bool = False) -> None:
     """`target_module_names` on the meta-device model of `model_path`'s config, before any process group:
-    a target that matches no layer fails in one line at start-up rather than after the process groups form.
+    a target that matches no layer, or a rank wider than an adapted layer (`check_lora_rank`), fails in one
+    line at start-up rather than after the process groups form.
     A hub id not yet in the local cache is checked when the model is built, after its download."""
     path = Path(model_path).expanduser()
     if not path.is_dir():
@@ -179,7 +180,24 @@ def check_lora_targets(model_path: str, cfg: LoRAConfig, *, trust_remote_code: b
         if not isinstance(cached, str):
             return
         path = Path(cached).parent
-    target_module_names(meta_hf_model(path, torch.bfloat16, trust_remote_code=trust_remote_code), cfg)
+    model = meta_hf_model(path, torch.bfloat16, trust_remote_code=trust_remote_code)
+    check_lora_rank(model, target_module_names(model, cfg), cfg.rank)
+
+
+def check_lora_rank(hf_model: nn.Module, targets: list[str], rank: int) -> None:
+    """The rank must not exceed the narrower side of any adapted layer: B A of a [out, in] layer has rank
+    at most min(in, out), so a wider adapter only adds parameters and Adam state (a rank of millions failed
+    in the allocator once the model was built)."""
+    layers = dict(hf_model.named_modules())
+    name = min(targets, key=lambda n: min(layers[n].in_features, layers[n].out_features))
+    layer = layers[name]
+    width = min(layer.in_features, layer.out_features)
+    if rank > width:
+        raise ValueError(
+            f"worker.actor.model.lora.rank ({rank}) is wider than the adapted layer {name} ({layer.in_features} "
+            f"-> {layer.out_features} features): an adapter's rank is at most {width} there; lower the rank, "
+            "or leave that layer out (worker.actor.model.lora.target_modules / exclude_modules)"
+        )
 
 
 def init_non_persistent_buffers(hf_model: nn.Module, device: torch.device) -> None:

@@ -72,6 +72,7 @@ from spmd_grpo.rollout.vllm_args import (
     llm_kwargs,
     quiet_vllm,
     suppress_vision_tokens_processor,
+    weight_push,
 )
 from spmd_grpo.rollout.weight_sync import CountingIterator, iter_sharded_weights
 
@@ -251,19 +252,23 @@ class RolloutEngine:
             merge=self.adapters is None,
             layout=self.weight_layout,
         )
-        self.load_weights(weights, version)
+        self.load_weights(weights, version, partial=bool(frozen))
         if self.adapters is not None:  # the unmerged base is in: now its adapters, under a new LoRA id
             self.stats.last_sync_bytes += self.adapters.push(self.llm, policy, version)
 
-    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream `(hf_name, full_tensor)` into the engine, then drop every cache derived from old weights."""
+    def load_weights(
+        self, weights: Iterator[tuple[str, torch.Tensor]], version: int, *, partial: bool = False
+    ) -> None:
+        """Stream `(hf_name, full_tensor)` into the engine, then drop every cache derived from old weights.
+        `partial`: frozen weights are left out (vLLM keeps them; its warnings for them are dropped)."""
         start = time.perf_counter()
         counted = CountingIterator(weights)
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
         if hasattr(worker, "reload_weights"):
-            self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True}
-            )
+            with weight_push(partial=partial):
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True}
+                )
         else:  # e.g. vllm-ascend's NPU worker: load into the model directly
             worker.model_runner.model.load_weights(counted)
         self.reset_caches()

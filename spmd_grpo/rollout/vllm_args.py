@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -41,7 +43,8 @@ def suppress_vision_tokens_processor():
 
 
 class _DropVllmNoise(logging.Filter):
-    """Drops two vLLM warnings that are about vLLM's own internals, not this run, and would flood the console.
+    """Drops vLLM warnings that are about vLLM's own internals or a push's known gaps, not this run, and
+    would flood the console.
 
     * "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it." vLLM's CPU
       worker replaces `torch.set_num_threads` with a stub that logs this (the OpenMP threads are already
@@ -51,15 +54,48 @@ class _DropVllmNoise(logging.Filter):
     * "<X>RotaryEmbedding: Failed to load weights", at every weight push. A rotary layer's only tensor is
       `cos_sin_cache`, a non-persistent buffer computed from the config, never part of a checkpoint or a
       push; vLLM's layerwise reload then puts the existing cache back (its fallback right after the warning).
-      The same warning for any other layer, a real missing weight, still shows.
+    * "<X>: Failed to load weights" during a PARTIAL push (`weight_push(partial=True)`: the frozen weights
+      are left out after the first push, e.g. every norm, embedding and the vision tower with LoRA adapters
+      merged, or a frozen vision tower) for a layer class none of whose layers failed in this engine's
+      full pushes: a layer that loaded when everything was pushed and gets nothing now got nothing because
+      its weights were left out on purpose (a push sends the same names, a subset of a full push's), and
+      vLLM keeps its tensors, which are the frozen ones. A class that failed in a full push keeps its
+      warnings in every push: a real missing weight always shows.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
         if message.startswith("CPU backend doesn't allow to use `torch.set_num_threads`"):
             return False
-        rotary = bool(record.args) and str(record.args[0]).endswith("RotaryEmbedding")
-        return not (message == "%s: Failed to load weights" and rotary)
+        if message != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        if layer.endswith("RotaryEmbedding"):
+            return False
+        if not _PUSH.partial:
+            _PUSH.failed_in_full_push.add(layer)
+            return True
+        return layer in _PUSH.failed_in_full_push
+
+
+class _PushState:
+    """What `_DropVllmNoise` knows of the weight push under way (one engine per process)."""
+
+    partial = False
+    failed_in_full_push: set[str] = set()  # noqa: RUF012 - process-wide by design
+
+
+_PUSH = _PushState()
+
+
+@contextmanager
+def weight_push(*, partial: bool) -> Iterator[None]:
+    """Mark vLLM's logging during a weight push: `partial` when frozen weights are left out of it."""
+    _PUSH.partial = partial
+    try:
+        yield
+    finally:
+        _PUSH.partial = False
 
 
 def quiet_vllm() -> None:

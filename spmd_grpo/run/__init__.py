@@ -22,6 +22,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "checkpoint": (
             "save_checkpoint",
             "load_checkpoint",
+            "load_or_fall_back",
+            "UnreadableCheckpoint",
             "write_atomic",
         ),
         "checkpoint_dirs": (
@@ -34,6 +36,9 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "step_of",
             "complete_checkpoints",
             "damaged_parts",
+            "has_manifest",
+            "saved_lora_rank",
+            "fallback_checkpoint",
             "find_checkpoint",
         ),
         "manifest": (
@@ -64,6 +69,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "LOCK",
             "lock_run_dir",
             "name_holder",
+            "check_not_locked",
+            "check_writable",
         ),
         "start": (
             "MEANING_CHANGING",

@@ -72,6 +72,7 @@ from spmd_grpo.run.checkpoint_dirs import (
     SCHEDULER,
     TRAINER_STATE,
     complete_checkpoints,
+    fallback_checkpoint,
     missing_parts,
 )
 from spmd_grpo.run.manifest import file_entries, write_manifest
@@ -246,7 +247,12 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
     model_sd, optim_sd = get_state_dict(policy, optim.optimizer, options=options)
     to_load = {"model": model_sd, "optim": optim_sd}
     _check_keys(path, to_load)
-    dcp.load(to_load, checkpoint_id=str(path))
+    try:
+        dcp.load(to_load, checkpoint_id=str(path))
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; it names no file
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        raise UnreadableCheckpoint(f"{path}: its DCP shards failed to load ({_dcp_failure(e)})") from None
     set_state_dict(
         policy,
         optim.optimizer,
@@ -268,6 +274,40 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
         log.warning("rank %d: RNG streams restart from the seed: %s is missing", world.rank, rng_file)
     log.info("resumed from %s (step %s)", path, state.get("step"))
     return state
+
+
+class UnreadableCheckpoint(ValueError):
+    """A file of a complete checkpoint failed to load (named in the message): damage that no manifest
+    showed (a checkpoint saved before manifests, whose bytes could not be verified)."""
+
+
+def _dcp_failure(e: BaseException) -> str:
+    """The first rank's error inside DCP's CheckpointException (whose own text only lists the ranks), with
+    the shard files."""
+    failures = getattr(e, "failures", None) or {}
+    rank, inner = next(iter(failures.items()), (None, e))
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    first = (str(inner).strip().splitlines() or [""])[0][:300]
+    where = f"rank {rank}: " if rank is not None else ""
+    return f"{where}{type(inner).__name__}: {first}"
+
+
+def load_or_fall_back(
+    path: Path, *, policy: nn.Module, optim: OptimizerBundle, world: World, auto: bool
+) -> dict:
+    """`load_checkpoint(path)`; with `auto` (trainer.resume=auto), a checkpoint without a manifest whose file
+    fails to load anyway (the failure names it) gives way to the previous complete checkpoint, as a damaged
+    one found before the start does (`checkpoint_dirs.fallback_checkpoint`). Every rank fails alike (DCP's
+    load and the scheduler file are shared; the RNG files were all loaded before the start), so every rank
+    takes the same one."""
+    while True:
+        try:
+            return load_checkpoint(path, policy=policy, optim=optim, world=world)
+        except UnreadableCheckpoint as e:
+            previous = fallback_checkpoint(path, e, rank=world.rank) if auto else None
+            if previous is None:
+                raise
+            path = previous
 
 
 def _options(policy: nn.Module) -> StateDictOptions:
@@ -302,6 +342,9 @@ def _load_data(file: Path):
         raise ValueError(
             f"{file}: refused to load (it holds more than tensors and plain data): {first}"
         ) from None
+    except Exception as e:  # a torn archive: the file is named, not only the archive reader's complaint
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UnreadableCheckpoint(f"{file}: unreadable ({type(e).__name__}: {first})") from None
 
 
 def _check_keys(path: Path, to_load: dict) -> None:

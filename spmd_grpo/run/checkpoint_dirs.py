@@ -2,6 +2,10 @@
 complete (`trainer_state.json` present, no `.tmp` suffix), which complete ones are damaged (a file unreadable,
 missing, or different from the manifest), and `find_checkpoint`, which names any damage and falls back to the
 previous complete checkpoint. The layout and the order in which a save writes these files: checkpoint.py.
+
+A checkpoint without `manifest.json` (saved before manifests existed) cannot be verified byte by byte: its
+small files (scheduler, RNG states) are loaded to check them instead, its shards are checked against the
+sizes DCP's metadata records, and resuming it says, in a warning, that it was not verified.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ import logging
 import re
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 
-from spmd_grpo.run.manifest import verify_manifest
+from spmd_grpo.run.manifest import MANIFEST, verify_manifest
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,8 @@ def damaged_parts(path: Path, *, checksums: bool = True) -> list[str]:
     problems += manifest or []
     expected = [SCHEDULER] if manifest is None else []  # the manifest lists these (checked above)
     expected += [f"rng/rank{r}.pt" for r in range(saved_world if manifest is None else 0)]
-    problems += [f"{path / name}: missing" for name in expected if not (path / name).is_file()]
+    problems += [_unloadable(path / name) for name in expected]
+    problems = [p for p in problems if p]
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a torn pickle raises anything from EOFError to UnpicklingError
@@ -90,12 +96,49 @@ def damaged_parts(path: Path, *, checksums: bool = True) -> list[str]:
     return problems
 
 
+def _unloadable(file: Path) -> str:
+    """'' when `file` loads as tensors and plain data (a small file of a checkpoint without a manifest, where
+    no checksum can vouch for it), else what is wrong with it, naming it."""
+    if not file.is_file():
+        return f"{file}: missing"
+    try:
+        torch.load(file, weights_only=True)
+    except Exception as e:  # a torn zip archive, a pickled object: anything a load would fail on later
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"{file}: unreadable ({type(e).__name__}: {first})"
+    return ""
+
+
+def has_manifest(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def saved_lora_rank(checkpoint: Path) -> int | None:
+    """The rank of the LoRA adapters a checkpoint holds (its `model.*` entries are adapters only), 0 for a
+    full checkpoint (whole weights), None when its DCP metadata holds no policy (nothing to tell)."""
+    from spmd_grpo.models.lora import ADAPTER_KEYS, is_adapter_name
+
+    entries = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    policy = {k: md for k, md in entries.items() if k.startswith("model.") and hasattr(md, "size")}
+    if not policy:
+        return None
+    if not all(is_adapter_name(k) for k in policy):
+        return 0
+    return next(int(md.size[0]) for k, md in policy.items() if ADAPTER_KEYS[0] in k)  # lora_A: [rank, in]
+
+
 # ------------------------------------------------------------------------------------------------ find
-def find_checkpoint(run_dir: Path, resume: str, *, checksums: bool = True) -> Path | None:
+def find_checkpoint(
+    run_dir: Path, resume: str, *, checksums: bool = True, rank: int | None = 0
+) -> Path | None:
     """The checkpoint to resume from: `none` -> None; `auto` -> the newest complete, undamaged one under
     `<run_dir>/checkpoints` (None if there is none; damaged ones are reported by file and skipped, so the
-    previous checkpoint is used; older ones than the first undamaged are not read); anything else -> that directory, which must be complete and undamaged.
-    `checksums`: verify the manifest's CRC-32s too (reads every byte), not only its sizes."""
+    previous checkpoint is used; older ones than the first undamaged are not read); anything else -> that
+    directory, which must be complete and undamaged. `checksums`: verify the manifest's CRC-32s too (reads
+    every byte), not only its sizes. `rank`: the rank whose warnings these are (each prefixed `rank N: `),
+    None: none (another rank says what it found: each warning once)."""
+    say = log.warning if rank is not None else log.debug
+    prefix = f"rank {rank}: " if rank is not None else ""
     if resume == "none":
         return None
     if resume != "auto":
@@ -106,6 +149,7 @@ def find_checkpoint(run_dir: Path, resume: str, *, checksums: bool = True) -> Pa
         damage = damaged_parts(path, checksums=checksums)
         if damage:
             raise ValueError(f"resume={resume!r} is damaged: {'; '.join(damage)}")
+        _say_if_unverified(path, say, prefix)
         return path
 
     root = Path(run_dir) / CHECKPOINTS
@@ -114,8 +158,11 @@ def find_checkpoint(run_dir: Path, resume: str, *, checksums: bool = True) -> Pa
     complete = complete_checkpoints(root)
     for p in sorted(root.iterdir()):
         if p.name.startswith("global_step_") and p not in complete.values():
-            log.warning(
-                "ignoring incomplete checkpoint %s (missing %s)", p, ", ".join(missing_parts(p)) or "?"
+            say(
+                "%signoring incomplete checkpoint %s (missing %s)",
+                prefix,
+                p,
+                ", ".join(missing_parts(p)) or "?",
             )
     newest = None  # verified newest first, until one is undamaged: one full read when the newest is
     for step in sorted(complete, reverse=True):
@@ -123,18 +170,48 @@ def find_checkpoint(run_dir: Path, resume: str, *, checksums: bool = True) -> Pa
         if not damage:
             newest = complete[step]
             break
-        log.warning("skipping damaged checkpoint %s: %s", complete[step], "; ".join(damage))
+        say("%sskipping damaged checkpoint %s: %s", prefix, complete[step], "; ".join(damage))
     if newest is None:
         return None
     latest_file = root / LATEST
     if latest_file.is_file():
         named = latest_file.read_text().strip()
         if named != newest.name:
-            log.warning(
-                "%s names %r but the newest complete checkpoint is %s: resuming from %s",
+            say(
+                "%s%s names %r but the newest complete checkpoint is %s: resuming from %s",
+                prefix,
                 latest_file,
                 named,
                 newest.name,
                 newest,
             )
+    _say_if_unverified(newest, say, prefix)
     return newest
+
+
+def _say_if_unverified(path: Path, say, prefix: str) -> None:
+    if not has_manifest(path):
+        say(
+            "%sresuming %s unverified: it has no %s (saved before manifests existed), so its files' sizes "
+            "and checksums could not be checked; a file that fails to load is named",
+            prefix,
+            path,
+            MANIFEST,
+        )
+
+
+def fallback_checkpoint(failed: Path, error: Exception, *, rank: int) -> Path | None:
+    """After `failed` (resumed by trainer.resume=auto) did not load: the previous complete, undamaged
+    checkpoint of its run (sizes checked; the same answer on every rank), as for a damaged one found before
+    the start. Only for a checkpoint without a manifest, whose damage could not be seen beforehand (None for
+    any other: its failure is not damage). Rank 0 says it, once."""
+    if has_manifest(failed):
+        return None
+    complete = complete_checkpoints(failed.parent)
+    for path in [complete[step] for step in sorted(complete, reverse=True) if step < (step_of(failed) or 0)]:
+        if not damaged_parts(path, checksums=False):
+            if rank == 0:
+                log.warning("rank 0: %s failed to load (%s): it had no manifest to verify it before; resuming "
+                            "the previous complete checkpoint %s", failed, error, path)  # fmt: skip
+            return path
+    return None

@@ -1,7 +1,7 @@
 """Export a LoRA checkpoint (adapters only, `worker.actor.model.lora`) as a PEFT adapter directory, and
 optionally as a merged Hugging Face model.
 
-    python -m spmd_grpo.export CHECKPOINT_DIR OUT_DIR [--dtype float32] [--merged MERGED_DIR]
+    python -m spmd_grpo.export CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--merged MERGED_DIR]
 
 The adapter directory is what `peft.PeftModel.from_pretrained(base, OUT_DIR)` and vLLM's
 `LoRARequest(name, id, OUT_DIR)` (with `enable_lora`) load:
@@ -11,7 +11,8 @@ The adapter directory is what `peft.PeftModel.from_pretrained(base, OUT_DIR)` an
   * `adapter_config.json`: written by PEFT's `LoraConfig.save_pretrained` from the run's saved config
     (rank, alpha, dropout) with the adapted modules listed by name, and `base_model_name_or_path` = the
     checkpoint's `model_path`.
-The adapters are written in `--dtype` (default float32: they are small, and PEFT and vLLM cast on load).
+The adapters are written in `--dtype` (the export's default, bfloat16, as the merged model; they are
+trained and saved in float32, so `--dtype float32` keeps them exact; PEFT and vLLM cast on load).
 
 `--merged DIR` also writes the base model with every adapter merged (`W + alpha / r * B @ A`, in fp32, then
 cast to `--dtype`) under the base checkpoint's own file layout and names, one safetensors file at a time (one

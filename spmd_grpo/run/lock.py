@@ -11,6 +11,12 @@ Shared file systems: NFSv4 and NFSv3 with lockd carry `flock` across nodes (the 
 it as a whole-file POSIX lock); Lustre does only when mounted with `-o flock` (with `-o localflock` the
 lock is per node and two nodes can both hold it); a file system without locks makes the call fail with
 ENOLCK / EOPNOTSUPP / ENOSYS, and the job then starts with a warning that the directory is not protected.
+
+A run directory that cannot be used (a file where it or a parent should be, no write permission, a read-only
+file system, no space for the first write) is a `ConfigError` naming the path, before any process group:
+`check_writable` creates the directory and writes, fsyncs and deletes a small file in it (every rank, and
+`spmd_grpo.launch` once before it starts them); `lock_run_dir` and `name_holder` report their own failures
+the same way. `check_not_locked` lets the launcher refuse a directory in use without holding the lock.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -41,18 +49,16 @@ def lock_run_dir(run_dir: Path) -> IO[str]:
     key = run_dir.resolve()
     if key in _HELD:
         return _HELD[key]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / LOCK, "a+")  # noqa: SIM115 - held open for the process's life
+    with unusable_run_dir(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        f = open(run_dir / LOCK, "a+")  # noqa: SIM115 - held open for the process's life
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        holder = f.read().strip() or "a job still starting"
+        holder = f.read().strip()
         f.close()
-        raise ConfigError(
-            f"the run directory {run_dir} is in use by another job ({holder}); one job per run directory: "
-            "wait for it to end or give this one another trainer.experiment_name / trainer.output_dir"
-        ) from None
+        raise _in_use(run_dir, holder) from None
     except OSError as e:
         if e.errno not in _NO_LOCKS:
             raise
@@ -67,9 +73,72 @@ def name_holder(run_dir: Path) -> None:
     """Write this job's host, pid and start time into the lock file of `run_dir`, which it holds: what a
     second job's error names."""
     f = _HELD[run_dir.resolve()]
-    f.seek(0)
-    f.truncate()
-    f.write(
-        f"host {socket.gethostname()}, pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
+    with unusable_run_dir(run_dir, run_dir / LOCK):
+        f.seek(0)
+        f.truncate()
+        f.write(
+            f"host {socket.gethostname()}, pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
+        )
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _in_use(run_dir: Path, holder: str) -> ConfigError:
+    return ConfigError(
+        f"the run directory {run_dir} is in use by another job ({holder or 'a job still starting'}); one job "
+        "per run directory: wait for it to end or give this one another trainer.experiment_name / "
+        "trainer.output_dir"
     )
-    f.flush()
+
+
+def check_not_locked(run_dir: Path) -> None:
+    """ConfigError naming the holder when a job holds `run_dir`'s lock (a shared lock taken and dropped at
+    once: probes of several launchers of one job, one per node, never refuse each other). Writes nothing."""
+    if run_dir.resolve() in _HELD:
+        return  # this process's own lock
+    try:
+        f = open(run_dir / LOCK)  # noqa: SIM115 - closed below
+    except OSError:
+        return  # no lock file (a new directory) or none readable: `check_writable` / rank 0 say what is wrong
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(run_dir, f.read().strip()) from None
+        except OSError:
+            return  # no locks on this file system: rank 0 warns
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create `run_dir` (with its parents) and write, fsync and delete a small file in it: a ConfigError
+    naming the path when that fails (a file in the way, no permission, a read-only or full file system)."""
+    probe = run_dir / f".write_check.{socket.gethostname()}.{os.getpid()}"
+    with unusable_run_dir(run_dir, probe):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(probe, "w") as f:
+                f.write("spmd_grpo write check\n")
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+
+
+@contextmanager
+def unusable_run_dir(run_dir: Path, file: Path | None = None) -> Iterator[None]:
+    """An OSError inside becomes a one-line ConfigError naming the path (`file`: the file being written)."""
+    try:
+        yield
+    except OSError as e:
+        # os.path's tests answer False where they cannot look (pathlib's raise on EACCES)
+        in_the_way = (p for p in (run_dir, *run_dir.parents) if os.path.exists(p) and not os.path.isdir(p))
+        blocker = next(in_the_way, None)
+        if blocker is not None:
+            why = f"{blocker} is a file, not a directory"
+        else:
+            why = f"{e.filename or file or run_dir}: {e.strerror or e}"
+        raise ConfigError(
+            f"the run directory {run_dir} cannot be used: {why} (trainer.output_dir / "
+            "trainer.experiment_name name it)"
+        ) from None

@@ -3,7 +3,13 @@
 `plan_start(cfg)` runs in `spmd_grpo.train` on every rank, after the config is validated and before the
 process group exists. It only reads files, and nothing is written until every rank has joined the process
 group (which needs every rank past this point), so all ranks decide from the same files. A problem is a
-`ConfigError`: one line, exit code 2, before any model or vLLM engine is built.
+`ConfigError`: one line, exit code 2, before any model or vLLM engine is built. `spmd_grpo.launch` runs it
+once more before it starts the ranks (`launcher=True`: sizes only, no warnings; rank 0 gives those).
+
+The checkpoint to resume must be of the kind the config trains: a LoRA checkpoint holds adapters only, and
+neither full fine-tuning nor adapters of another rank can load them, nor adapters whole weights; such a
+resume is refused with the way out (resume with the saved rank, or export the checkpoint, merged for LoRA,
+and start a new run from it), even where `trainer.allow_config_change` lets the rank change pass the diff.
 
 The run directory (`<trainer.output_dir>/<trainer.experiment_name>`) HOLDS A RUN when it has a
 `config.yaml`, `metrics.jsonl`, `val_generations.jsonl`, `tensorboard/` or a non-empty `checkpoints/`
@@ -34,9 +40,10 @@ are not compared). Each difference is either
         model), `tokenizer_path` (token ids), `freeze_vision_tower` (which parameters have Adam state), `lora.rank`, `target_modules`,
         `exclude_modules` (which adapters exist) and `alpha` (their scale);
       - the data position (epoch, batches drawn) indexes a filtered, shuffled data set: `data.train_files`,
-        the row keys, `format_prompt`, `system_prompt`, `num_builtin_examples`, `max_prompt_length` and the
-        pixel limits (the length filter), `worker.rollout.limit_images` (rows with more images are skipped:
-        a changed limit changed the data set's size and the resume failed after vLLM had loaded),
+        the row keys, `format_prompt`, `system_prompt`, `num_builtin_examples`, `max_prompt_length`, the
+        pixel limits and the video sampling keys (`data.video_*`: the length filter),
+        `worker.rollout.limit_images` and `limit_videos` (rows with more images or videos are skipped: a
+        changed limit changed the data set's size and the resume failed after vLLM had loaded),
         `shuffle`, `data.seed` (the order), `rollout_batch_size`;
       - the step the step counter, the data position and the LR schedule count: `data.rollout_batch_size`,
         `worker.rollout.n`, `worker.actor.global_batch_size`, `ppo_epochs`, `data.max_response_length`,
@@ -68,7 +75,14 @@ import yaml
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import dump_yaml, to_dict
 from spmd_grpo.config.schema import Config
-from spmd_grpo.run.checkpoint_dirs import CHECKPOINTS, CONFIG, complete_checkpoints, find_checkpoint
+from spmd_grpo.run.checkpoint_dirs import (
+    CHECKPOINTS,
+    CONFIG,
+    complete_checkpoints,
+    damaged_parts,
+    find_checkpoint,
+    saved_lora_rank,
+)
 from spmd_grpo.run.lineage import later_checkpoints
 
 log = logging.getLogger(__name__)
@@ -90,8 +104,13 @@ MEANING_CHANGING: dict[str, str] = {
         [
             *(f"data.{k}" for k in ("train_files", "prompt_key", "answer_key", "image_key", "format_prompt")),
             *(f"data.{k}" for k in ("system_prompt", "num_builtin_examples", "max_prompt_length")),
-            *(f"data.{k}" for k in ("min_pixels", "max_pixels", "shuffle", "seed")),
-            "worker.rollout.limit_images",  # rows with more images are skipped at load: the filter
+            *(f"data.{k}" for k in ("min_pixels", "max_pixels", "shuffle", "seed", "video_key")),
+            # a video's sampled frames and their sizes are its prompt's length: the length filter
+            *(f"data.video_{k}" for k in ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels")),
+            "data.video_total_pixels",
+            # rows with more images or videos than the engine takes are skipped at load: the filter
+            "worker.rollout.limit_images",
+            "worker.rollout.limit_videos",
         ],
         _DATA,
     ),
@@ -228,9 +247,17 @@ def run_records(run_dir: Path) -> list[str]:
     return found
 
 
-def plan_start(cfg: Config) -> StartPlan:
+def plan_start(cfg: Config, *, rank: int | None = None, launcher: bool = False) -> StartPlan:
     """Decide new run / resume / restart for `cfg` and check the config against the saved one; raises
-    ConfigError (ValueError for a `trainer.resume` path that is not a usable checkpoint), naming files."""
+    ConfigError (ValueError for a `trainer.resume` path that is not a usable checkpoint), naming files.
+
+    `rank` (default: torchrun's RANK, 0 without torchrun): rank 0 verifies the checkpoints' checksums and
+    warns about the damaged, incomplete or unverifiable ones it passes over; the other ranks check sizes and
+    say nothing (rank 0 says it once). `launcher`: `spmd_grpo.launch`'s check before the ranks exist (sizes
+    only, silent: rank 0 says it when it starts)."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    speaker = None if launcher else rank
     run_dir, mode = cfg.run_dir, cfg.trainer.resume
     new = plain_config(cfg)
     _check_allow_list(cfg.trainer.allow_config_change, flatten(new))
@@ -243,7 +270,9 @@ def plan_start(cfg: Config) -> StartPlan:
                 "trainer.experiment_name or trainer.output_dir (or remove the directory)"
             )
         return StartPlan(run_dir, None)
-    checkpoint = _checkpoint_to_resume(run_dir, mode, records)
+    checkpoint = _checkpoint_to_resume(run_dir, mode, records, speaker)
+    if checkpoint is not None:
+        _check_adapters(checkpoint, cfg)
     abandoned = later_checkpoints(run_dir, checkpoint) if checkpoint is not None else ()
     saved_file = _saved_config_file(run_dir, checkpoint)
     if saved_file is None:
@@ -264,21 +293,27 @@ def _check_allow_list(allowed: tuple[str, ...], known: dict[str, Any]) -> None:
             raise ConfigError(f"trainer.allow_config_change: unknown config key {key}")
 
 
-def _checkpoint_to_resume(run_dir: Path, mode: str, records: list[str]) -> Path | None:
-    """The checkpoint `mode` names. Rank 0 verifies the manifests' checksums (every byte read once per job);
-    the other ranks their sizes, and follow rank 0's choice (lineage.agree_on_start)."""
+def _checkpoint_to_resume(run_dir: Path, mode: str, records: list[str], rank: int | None) -> Path | None:
+    """The checkpoint `mode` names. Rank 0 verifies the manifests' checksums (every byte read once per job)
+    and names what it passes over; the other ranks (and the launcher, `rank` None) check sizes, and follow
+    rank 0's choice (lineage.agree_on_start)."""
     root = run_dir / CHECKPOINTS
-    checksums = int(os.environ.get("RANK", "0")) == 0
+    checksums, speaker = rank == 0, 0 if rank == 0 else None
     if mode == "auto":
-        checkpoint = find_checkpoint(run_dir, "auto", checksums=checksums)  # names incomplete/damaged ones
-        if checkpoint is None and complete_checkpoints(root):
+        checkpoint = find_checkpoint(run_dir, "auto", checksums=checksums, rank=speaker)
+        complete = complete_checkpoints(root)
+        if checkpoint is None and complete:
+            named = "each named in the warnings above"
+            if rank is None:  # nothing was said: the first damage of each, by sizes
+                first = {p.name: damaged_parts(p, checksums=False)[:1] for _, p in sorted(complete.items())}
+                named = "; ".join(f"{name}: {d[0] if d else '?'}" for name, d in first.items())
             raise ConfigError(
-                f"every checkpoint in {root} is damaged (each named in the warnings above) and restarting "
+                f"every checkpoint in {root} is damaged ({named}) and restarting "
                 "at step 0 would drop the run's progress: resume one with trainer.resume=PATH after repairing "
                 "it, move them aside to restart the run, or pick another trainer.experiment_name for a new run"
             )
         return checkpoint
-    checkpoint = find_checkpoint(run_dir, mode, checksums=checksums)  # ValueError naming the damage
+    checkpoint = find_checkpoint(run_dir, mode, checksums=checksums, rank=speaker)  # ValueError: the damage
     ours = checkpoint.resolve().parent == root.resolve()
     if records and not ours:
         raise ConfigError(
@@ -286,6 +321,37 @@ def _checkpoint_to_resume(run_dir: Path, mode: str, records: list[str]) -> Path 
             f"{checkpoint} in it would mix the two: pick another trainer.experiment_name or trainer.output_dir"
         )
     return checkpoint
+
+
+def _check_adapters(checkpoint: Path, cfg: Config) -> None:
+    """A LoRA checkpoint resumed without LoRA (or with another rank), or a full one resumed with LoRA,
+    cannot be loaded into the policy this config builds: one line saying why and what to do, before
+    anything is built (the diff alone lets such a change through once `allow_config_change` names it)."""
+    model = cfg.worker.actor.model
+    saved, wanted = saved_lora_rank(checkpoint), model.lora.rank
+    if saved is None or saved == wanted:
+        return
+    key = "worker.actor.model.lora.rank"
+    if saved == 0:
+        raise ConfigError(
+            f"{checkpoint} holds fully fine-tuned weights, and {key}={wanted} trains adapters on the frozen "
+            f"base {model.model_path}: the checkpoint's weights would not be loaded. Export it "
+            f"(python -m spmd_grpo.export {checkpoint} OUT) and start a new run from OUT with "
+            f"worker.actor.model.model_path=OUT, or resume it with {key}=0"
+        )
+    merged = (
+        f"export it merged (python -m spmd_grpo.export {checkpoint} ADAPTER_OUT --merged MERGED_OUT) and "
+        "start a new run from the merged model (worker.actor.model.model_path=MERGED_OUT)"
+    )
+    if wanted == 0:
+        raise ConfigError(
+            f"{checkpoint} holds LoRA adapters of rank {saved} and no trained base weights, and {key}=0 "
+            f"(full fine-tuning) needs whole weights to resume: {merged}, or resume it with {key}={saved}"
+        )
+    raise ConfigError(
+        f"{checkpoint} holds LoRA adapters of rank {saved} and {key}={wanted} builds adapters of another "
+        f"shape, which cannot load them: resume it with {key}={saved}, or {merged}"
+    )
 
 
 def _saved_config_file(run_dir: Path, checkpoint: Path | None) -> Path | None:

@@ -4,10 +4,15 @@
 Slurm cannot exist here, so `srun` and `scontrol` are the stand-ins of tests/conftest.py (`slurm_shims`) on
 PATH, on a one-node allocation, and the NPU script's CANN `set_env.sh` files are empty. The GPU template is
 run through a real 2-node training in tests/engine/test_launch.py. An unknown key
-given on the script's command line must come back from every rank as the config error naming it: that
-proves the config path and the overrides reached `spmd_grpo.train` on each rank (after the NPU script's own
-`trainer.device=npu worker.rollout.sleep_level=1`, which are valid keys and which the command line may set
-again: a key given twice is refused)."""
+given on the script's command line must come back as the config error naming it, once, from the launcher's
+check of `spmd_grpo.train`'s command line (what torchrun hands every rank), with exit code 2 and no
+torchrun failure report: that proves the config path and the overrides reached it (after the NPU script's
+own `trainer.device=npu worker.rollout.sleep_level=1`, which are valid keys and which the command line may
+set again: a key given twice is refused).
+
+A config error only the ranks find (here a reward file that fails to import only under torchrun, standing
+in for a file one node lacks) is said once, by rank 0, and the launcher exits 2 without torchrun's
+`ChildFailedError` report: the other rank, which waits before speaking, is stopped by torchrun first."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, torchrun_command
 
 UNKNOWN = "trainer.set_by_the_launch_script"
 
@@ -56,8 +61,38 @@ def test_script_reaches_every_rank_with_config_and_overrides(script, slurm_env):
         timeout=300,
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    # One per rank (the two ranks' lines can interleave on one line of the captured stderr).
-    assert out.count(f"config error: unknown config key {UNKNOWN}") == 2, out[-3000:]
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count(f"config error: unknown config key {UNKNOWN}") == 1, out[-3000:]
+    assert "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]
     if script.endswith(".sbatch"):
         assert "job 4242: 1 nodes x 2 ranks, rendezvous 127.0.0.1:" in out, out[-3000:]
+
+
+RANKS_ONLY_REWARD = """import os
+if "TORCHELASTIC_RUN_ID" in os.environ:
+    raise ImportError("this module fails on the ranks only")
+
+
+def fn(samples):
+    return []
+"""
+
+
+def test_a_config_error_only_the_ranks_find_is_said_once_with_exit_2(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')  # enough to validate
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    (tmp_path / "reward.py").write_text(RANKS_ONLY_REWARD)
+    cmd, env = torchrun_command(
+        ["-m", "spmd_grpo.train", "configs/smoke.yaml", f"worker.actor.model.model_path={tmp_path / 'model'}",
+         f"worker.reward.reward_function={tmp_path / 'reward.py'}:fn", f"trainer.output_dir={tmp_path}"],
+        launcher="spmd_grpo.launch",
+    )  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    (line,) = [line for line in out.splitlines() if line.strip()]  # nothing else, torchrun's lines included
+    assert line.startswith("config error: worker.reward.reward_function") and "fails on the ranks" in line, (
+        out
+    )
+    assert "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]

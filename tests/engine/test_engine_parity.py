@@ -64,7 +64,10 @@ def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
     if lora:
         head = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
         job += ["--lora-rank", "8", "--lora-targets", "all-linear" if tied else head, "--lora-sync", lora]
-    torchrun([*job, *(["--trust-remote-code"] if trust else [])])
+    proc = torchrun([*job, *(["--trust-remote-code"] if trust else [])])
+    if lora == "merged":  # pushes after the first leave the frozen weights out (vLLM keeps them): 88 vLLM
+        # "Failed to load weights" warnings in this job before they were told apart from real failures
+        assert "Failed to load weights" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["engine"] == {

@@ -20,6 +20,7 @@ from PIL import Image
 from safetensors import safe_open
 
 import spmd_grpo.run.export as export_mod
+from spmd_grpo.run.checkpoint_dirs import saved_lora_rank
 from spmd_grpo.run.export import export_hf
 from tests.conftest import REPO, tiny_model
 
@@ -150,6 +151,7 @@ def test_export_loads_in_transformers_and_vllm(case, exports):
     trained = torch.load(found["work"] / "save.pt", weights_only=False)["at_save"][
         "params"
     ]  # the checkpoint's
+    assert saved_lora_rank(found["work"] / "run" / "checkpoints" / "global_step_2") == 0  # a LoRA resume is refused
 
     # Streaming: every DCP read held at most one shard's tensors.
     total = sum(
@@ -217,6 +219,8 @@ def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(export
     model_dir, out = found["model_dir"], found["out"]
     trained = torch.load(found["work"] / "save.pt", weights_only=False)["at_save"]["params"]
     adapters = {n: t for n, t in trained.items() if ".lora_" in n}
+    # what a resume compares with worker.actor.model.lora.rank
+    assert saved_lora_rank(found["work"] / "run" / "checkpoints" / "global_step_2") == LORA_RANK
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", LORA_RANK, 8.0)

@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 from spmd_grpo.actor.optimizer import OptimizerBundle
-from spmd_grpo.run.checkpoint import load_checkpoint, save_checkpoint
+from spmd_grpo.run.checkpoint import (
+    UnreadableCheckpoint,
+    load_checkpoint,
+    load_or_fall_back,
+    save_checkpoint,
+)
 from spmd_grpo.run.checkpoint_dirs import damaged_parts, find_checkpoint, missing_parts
 from spmd_grpo.run.manifest import file_crc32
 from tests.conftest import ONE_CPU_RANK, fake_checkpoint
@@ -67,9 +72,10 @@ def test_auto_picks_newest_complete_and_warns_about_the_rest(tmp_path, caplog):
     (tmp_path / "checkpoints" / "latest").write_text("global_step_5")
     with caplog.at_level(logging.WARNING, logger="spmd_grpo.run.checkpoint_dirs"):
         assert find_checkpoint(tmp_path, "auto") == tmp_path / "checkpoints" / "global_step_5"
-    warned = "\n".join(r.getMessage() for r in caplog.records if r.name == "spmd_grpo.run.checkpoint_dirs")
-    assert "global_step_9.tmp" in warned and "global_step_7" in warned and "trainer_state.json" in warned
-    assert "global_step_5" not in warned and "global_step_3" not in warned
+    warned = [r.getMessage() for r in caplog.records if r.name == "spmd_grpo.run.checkpoint_dirs"]
+    damage = "\n".join(w for w in warned if "unverified" not in w)  # these fakes have no manifest
+    assert "global_step_9.tmp" in damage and "global_step_7" in damage and "trainer_state.json" in damage
+    assert "global_step_5" not in damage and "global_step_3" not in damage
 
 
 def test_auto_prefers_newest_over_a_stale_latest(tmp_path, caplog):
@@ -241,6 +247,66 @@ def test_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, 
         )["step"]
         == 1
     )
+
+
+def test_without_a_manifest_the_resume_warns_once_and_a_torn_file_falls_back(tmp_path, caplog):
+    """Checkpoints saved before manifests: the one resumed is said to be unverified (once: by the rank that
+    speaks; the others, `rank=None`, say nothing); a torn scheduler or RNG file (no size or checksum to
+    compare with) is named as damage and the previous checkpoint is resumed; loading the torn one names it."""
+    model, optim = make_bundle(0)
+    for step in (1, 2):
+        train(model, optim, 1)
+        save(model, optim, tmp_path, step)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        (root / f"global_step_{step}" / "manifest.json").unlink()
+    newest = root / "global_step_2"
+
+    def warnings_of(call) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="spmd_grpo.run"):
+            call()
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("spmd_grpo")
+        ]
+
+    assert warnings_of(lambda: find_checkpoint(tmp_path, "auto", rank=None)) == []  # not the speaking rank
+    (warning,) = warnings_of(lambda: find_checkpoint(tmp_path, "auto", rank=0))
+    assert warning.startswith(f"rank 0: resuming {newest} unverified: it has no manifest.json"), warning
+    for victim in ("scheduler.pt", "rng/rank0.pt"):
+        (newest / victim).write_bytes((root / "global_step_1" / victim).read_bytes()[:100])  # torn
+        damage, latest, unverified = warnings_of(
+            lambda: find_checkpoint(tmp_path, "auto", rank=0) == root / "global_step_1" or pytest.fail()
+        )
+        assert latest.startswith(f"rank 0: {root / 'latest'} names 'global_step_2'"), latest
+        assert damage.startswith(
+            f"rank 0: skipping damaged checkpoint {newest}: {newest / victim}: unreadable"
+        )
+        assert "global_step_1 unverified" in unverified
+        with pytest.raises(ValueError, match=f"{newest / victim}: unreadable"):
+            load_checkpoint(newest, policy=model, optim=optim, world=ONE_CPU_RANK)
+        (newest / victim).write_bytes((root / "global_step_1" / victim).read_bytes())  # whole again
+    # A shard zeroed in place (its size unchanged: nothing to see without a manifest) is resumed, fails in
+    # DCP's load naming the checkpoint, and the previous checkpoint is loaded instead (trainer.resume=auto).
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(bytes(shard.stat().st_size))
+    assert find_checkpoint(tmp_path, "auto", rank=None) == newest
+    with pytest.raises(UnreadableCheckpoint, match=f"{newest}: its DCP shards failed to load \\(rank 0: "):
+        load_or_fall_back(newest, policy=model, optim=optim, world=ONE_CPU_RANK, auto=False)
+    fresh, fresh_optim = make_bundle(1)
+    (fallback,) = warnings_of(
+        lambda: (
+            load_or_fall_back(newest, policy=fresh, optim=fresh_optim, world=ONE_CPU_RANK, auto=True)["step"]
+            == 1
+            or pytest.fail()
+        )
+    )
+    assert fallback.startswith(f"rank 0: {newest} failed to load ({newest}: its DCP shards failed to load"), (
+        fallback
+    )
+    assert fallback.endswith(f"resuming the previous complete checkpoint {root / 'global_step_1'}"), fallback
 
 
 def test_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp_path):

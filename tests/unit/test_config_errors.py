@@ -8,6 +8,8 @@ the_trainer` shows the base config itself is valid, so each row fails for its ow
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 import types
 from pathlib import Path
@@ -58,6 +60,7 @@ def files(tmp_path_factory) -> Path:
         (root / f"{name}.py").write_text(f"{statement}\n\ndef fn(samples):\n    return []\n")
     (root / "latin1.yaml").write_bytes("data:\n  system_prompt: caf\xe9\n".encode("latin-1"))
     (root / "run" / "checkpoints").mkdir(parents=True)
+    (root / "a_file").write_text("a file where a run directory should be\n")
     (root / "base.yaml").write_text(
         f"data:\n  train_files: {root / 'train.parquet'}\n  val_files: builtin:color\n"
         "  rollout_batch_size: 4\n"
@@ -104,6 +107,9 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
         f"{A}model.lora.target_modules",
     ),
     ([f"{A}model.lora.rank=8", f"{A}model.lora.exclude_modules=[model]"], f"{A}model.lora"),
+    # a rank wider than an adapted layer (the narrowest here: the 8192 -> 1024 k_proj of the default config)
+    ([f"{A}model.lora.rank=1025"], f"{A}model.lora.rank (1025) is wider than the adapted layer"),
+    ([f"{A}model.lora.rank=100000000"], "k_proj (8192 -> 1024 features)"),
     (["data.val_files=./val_missing"], "data.val_files"),
     (["data.rollout_batch_size=16"], "data.rollout_batch_size"),  # > the 8 rows of train.parquet
     (["data.format_prompt=ROOT/missing.jinja"], "data.format_prompt"),
@@ -120,6 +126,9 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["worker.actor.model.model_path=ROOT/no_tokenizer"], "worker.actor.model.model_path"),
     # the installed vLLM build (here the CPU one) cannot return routed experts
     ([f"{A}moe.routing_replay=rollout"], f"{A}moe.routing_replay=rollout needs vLLM's routed experts"),
+    # the run directory: a file in the way of it or of a parent (no traceback, before any process group)
+    (["trainer.output_dir=ROOT", "trainer.experiment_name=a_file"], "the run directory ROOT/a_file cannot"),
+    (["trainer.output_dir=ROOT/a_file/runs"], "ROOT/a_file is a file, not a directory"),
     *(
         ([f"worker.reward.reward_function=ROOT/{name}.py:fn"], "worker.reward.reward_function")
         for name in USER_CODE_THAT_EXITS
@@ -289,14 +298,16 @@ def test_the_base_config_reaches_the_trainer(cli, files):
         train.main(
             [str(files / "base.yaml"), f"{A}model.lora.rank=8", f"{A}model.lora.target_modules=[q_proj]"]
         )
+    with pytest.raises(ReachedTrainer):  # a rank as wide as the narrowest adapted layer
+        train.main([str(files / "base.yaml"), f"{A}model.lora.rank=1024"])
 
 
 @pytest.mark.parametrize("overrides, key", BAD, ids=[" ".join(o) for o, _ in BAD])
-def test_bad_config_exits_2_with_one_line_naming_the_key(cli, overrides, key):
+def test_bad_config_exits_2_with_one_line_naming_the_key(cli, files, overrides, key):
     code, lines = cli(overrides)  # the stand-in trainer raises ReachedTrainer if validation let it through
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("config error: "), lines
-    assert key in lines[0], lines[0]
+    assert key.replace("ROOT", str(files)) in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("overrides, key", VALUE_ROWS, ids=[" ".join(o) for o, _ in VALUE_ROWS])
@@ -399,3 +410,119 @@ def test_an_unreachable_hub_fails_in_seconds_naming_the_key(cli, files, monkeypa
     (snapshot / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     with pytest.raises(ReachedTrainer):  # the control: cached, nothing to download
         train.main([str(files / "base.yaml"), f"worker.actor.model.model_path={hub_id}"])
+
+
+# ------------------------------------------------------------------------------ the run directory, the launcher
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """`tiny_fs(options)` -> a fresh 64 KiB tmpfs mounted with `options` (unmounted at the end); None where
+    this process may not mount (not root): the callers then make the same errno at the write."""
+    mounted = []
+
+    def mount(options: str) -> Path | None:
+        import subprocess
+
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64k,{options}", "tmpfs", str(where)],
+                              capture_output=True)  # fmt: skip
+        if done.returncode != 0:
+            return None
+        mounted.append(where)
+        return where
+
+    yield mount
+    import subprocess
+
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def _fill(where: Path) -> None:
+    """Write into `where` until its file system is full."""
+    try:
+        with open(where / "filler", "wb") as f:
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+
+
+@pytest.mark.parametrize("problem", ["read-only file system", "no space left on device"])
+def test_an_unwritable_run_directory_is_one_line_naming_it(cli, files, tiny_fs, monkeypatch, problem):
+    """A read-only file system and a full one (real 64 KiB tmpfs mounts where this process may mount; else
+    the same errno raised at the first write) stop the start with one line naming the run directory, exit 2,
+    before any process group: the first write is checked before the job starts."""
+    fs = tiny_fs("ro" if problem.startswith("read-only") else "rw")
+    if fs is None:
+        code = errno.EROFS if problem.startswith("read-only") else errno.ENOSPC
+
+        def failing_fsync(fd: int) -> None:
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        fs = files / "fs"
+    elif problem.startswith("no space"):
+        _fill(fs)
+    code, lines = cli([f"trainer.output_dir={fs}"])
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"config error: the run directory {fs / 'run'} cannot be used: "), lines[0]
+    assert problem in lines[0].lower(), lines[0]
+
+
+def test_a_run_directory_without_write_permission_is_one_line_naming_it():
+    """No permission to write: the check every rank runs before the start, as an unprivileged user (root
+    may write anywhere: a root test process drops to `nobody` for the call), in a directory it may enter
+    but not write (pytest's own temporary directories are closed to other users)."""
+    import shutil
+    import tempfile
+
+    from spmd_grpo.run.lock import check_writable
+
+    base = Path(tempfile.mkdtemp(prefix="spmd_grpo_no_write_"))
+    parent = base / "read_only_parent"
+    parent.mkdir()
+    base.chmod(0o755)
+    parent.chmod(0o555)
+    euid = os.geteuid()
+    try:
+        if euid == 0:
+            os.seteuid(65534)
+        with pytest.raises(ConfigError) as e:
+            check_writable(parent / "run")
+    finally:
+        os.seteuid(euid)
+        shutil.rmtree(base)
+    assert str(e.value) == (
+        f"the run directory {parent / 'run'} cannot be used: {parent / 'run'}: Permission denied "
+        "(trainer.output_dir / trainer.experiment_name name it)"
+    )
+
+
+def test_the_launcher_says_a_config_error_once_before_starting_any_rank(files, monkeypatch, capsys):
+    """`python -m spmd_grpo.launch --nnodes 2 --nproc_per_node 2 -m spmd_grpo.train ...`: the config is
+    checked for a world of 4 in the launcher itself; a mistake is one line, exit 2, and torchrun never starts a rank (it
+    is replaced here by a stand-in that fails the test). A valid config passes the check."""
+    from spmd_grpo import launch
+
+    def torchrun(argv):
+        raise ReachedTrainer
+
+    monkeypatch.setattr("torch.distributed.run.main", torchrun)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(files)
+    head = ["--nnodes", "2", "--nproc_per_node", "2", "-m", "spmd_grpo.train", str(files / "base.yaml")]
+    for bad, says in [
+        (["worker.rollout.temprature=0.7"], "unknown config key worker.rollout.temprature"),
+        (["data.rollout_batch_size=6"], "must be divisible by the world size (4)"),  # 2 nodes x 2
+        (["trainer.output_dir=ROOT/a_file"], "is a file, not a directory"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            launch.main([*head, *(o.replace("ROOT", str(files)) for o in bad)])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("config error: "), lines
+        assert says in lines[0], lines[0]
+    with pytest.raises(ReachedTrainer):  # the control: the valid config goes on to torchrun
+        launch.main(head)
+    assert capsys.readouterr().err == ""

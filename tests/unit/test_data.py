@@ -112,7 +112,9 @@ def test_long_prompts_are_filtered_and_expansion_counted(tmp_path, processor, ca
     filtered = [i for i, n in lengths.items() if n > limit]
     message = next(r.getMessage() for r in caplog.records if "filtered" in r.getMessage())
     assert f"filtered {len(filtered)} of 4 prompts" in message
-    assert f"rows {', '.join(map(str, filtered))}" in message
+    assert "; ".join(f"row {i}: {lengths[i]} tokens" for i in filtered) in message  # each with its length
+    assert message.endswith("raise data.max_prompt_length, or shrink the images with data.max_pixels from "
+                            f"{path}: longer than data.max_prompt_length={limit}")  # fmt: skip
 
 
 def test_markers_become_ordered_parts_with_format_and_system_prompt(tmp_path, processor):

@@ -30,7 +30,9 @@ LAYERS = {
     # 7: the loop and the dry-run planner; the developer tools
     "trainer": 7, "dry_run": 7, "tools": 7,
     # 8: thin entry points
-    "train": 8, "smoke": 8, "launch": 8, "export": 8, "report": 8,
+    "train": 8, "smoke": 8, "export": 8, "report": 8,
+    # 9: the launcher, which checks train's command line once before torchrun starts the ranks
+    "launch": 9,
 }  # fmt: skip
 PURE_MATH = "algorithm"
 

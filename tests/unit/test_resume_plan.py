@@ -6,6 +6,7 @@ checkpoints are all damaged is not silently restarted; the CLI turns each refusa
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -155,6 +156,64 @@ def test_resume_refuses_a_meaning_change_names_the_override_and_reports_the_rest
                 "worker.rollout.limit_images=2",
             )
         )
+
+
+def test_a_changed_video_limit_or_video_sampling_is_refused_like_the_image_limit(tmp_path):
+    """Rows with more videos than limit_videos are skipped and a video's sampling sets its prompt's length
+    (the length filter): either change moved the data position and failed after vLLM had loaded."""
+    saved = ["worker.rollout.limit_videos=1", "data.video_max_frames=8"]
+    fake_checkpoint(tmp_path / "run", 2, cfg=_cfg(tmp_path, *saved))
+    for change, says in [
+        ("worker.rollout.limit_videos=2", "worker.rollout.limit_videos 1 -> 2 (the saved data position"),
+        ("data.video_max_frames=16", "data.video_max_frames 8 -> 16 (the saved data position"),
+    ]:
+        overrides = [o for o in saved if o.split("=")[0] != change.split("=")[0]]
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            plan_start(_cfg(tmp_path, *overrides, change))
+    assert plan_start(_cfg(tmp_path, *saved)).changes == ()  # the control
+
+
+def _policy_checkpoint(run: Path, step: int, cfg, lora_rank: int) -> Path:
+    """A checkpoint whose DCP entries are a policy's: LoRA adapters only (`lora_rank` > 0) or whole weights."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = run / "checkpoints" / f"global_step_{step}"
+    ckpt.mkdir(parents=True)
+    layer = "hf.model.language_model.layers.0.self_attn.q_proj"
+    model = (
+        {f"{layer}.lora_A.default.weight": torch.zeros(lora_rank, 64),
+         f"{layer}.lora_B.default.weight": torch.zeros(64, lora_rank)}
+        if lora_rank else {f"{layer}.weight": torch.zeros(64, 64)}
+    )  # fmt: skip
+    dcp.save({"model": model}, checkpoint_id=str(ckpt), no_dist=True)
+    torch.save({}, ckpt / "scheduler.pt")
+    dump_yaml(cfg, ckpt / "config.yaml")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
+    return ckpt
+
+
+@pytest.mark.parametrize("saved, wanted", [(8, 0), (0, 8), (8, 16)])
+def test_lora_and_full_checkpoints_resumed_the_other_way_are_one_line_naming_the_way_out(
+    tmp_path, saved, wanted
+):
+    """Even with the change allowed (as the diff's refusal suggests), adapters cannot be loaded into a
+    fully fine-tuned policy, nor whole weights into adapters, nor rank-8 adapters into rank-16 ones: one line
+    before anything is built, saying why and what to do (export, start from the merged model)."""
+    rank = "worker.actor.model.lora.rank"
+    ckpt = _policy_checkpoint(tmp_path / "run", 3, _cfg(tmp_path, f"{rank}={saved}"), saved)
+    with pytest.raises(ConfigError) as e:
+        plan_start(_cfg(tmp_path, f"{rank}={wanted}", f"trainer.allow_config_change=[{rank}]"))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{ckpt} holds "), message
+    if saved == 0:
+        assert f"fully fine-tuned weights, and {rank}=8 trains adapters" in message, message
+        assert f"python -m spmd_grpo.export {ckpt} OUT" in message and f"resume it with {rank}=0" in message
+    else:
+        assert "LoRA adapters of rank 8" in message, message
+        assert f"python -m spmd_grpo.export {ckpt} ADAPTER_OUT --merged MERGED_OUT" in message, message
+        assert "worker.actor.model.model_path=MERGED_OUT" in message and f"{rank}=8" in message, message
+    assert plan_start(_cfg(tmp_path, f"{rank}={saved}")).checkpoint == ckpt  # the control
 
 
 def test_old_checkpoint_without_config_is_compared_with_the_run_dirs(tmp_path):

@@ -109,3 +109,30 @@ def test_sleeps_and_restores_when_generation_fails(events):
     with pytest.raises(RuntimeError, match="boom"), engine.rollout_mode(policy, 1, optimizer=optimizer):
         raise RuntimeError("boom")
     assert events[-3:] == [("sleep", 2), ("expandable", True), ("optim", "cuda:0")]
+
+
+def test_failed_load_warnings_are_dropped_only_for_layers_a_partial_push_leaves_out():
+    """vLLM's "<layer>: Failed to load weights" (its layerwise reload, once per layer that got nothing):
+    in a full push every class shows but rotary (a buffer); in a partial push (frozen weights left out, as
+    every push after the first with LoRA merged sync) the classes that loaded in full pushes are dropped,
+    and a class that failed in a full push still shows (a real missing weight is never hidden)."""
+    import logging
+
+    from spmd_grpo.rollout.vllm_args import _PUSH, _DropVllmNoise, weight_push
+
+    noise = _DropVllmNoise()
+
+    def shown(layer: str) -> bool:
+        record = logging.LogRecord(
+            "vllm", logging.WARNING, "", 0, "%s: Failed to load weights", (layer,), None
+        )
+        return noise.filter(record)
+
+    with weight_push(partial=False):  # the first push, everything sent
+        assert not shown("MRotaryEmbedding")
+        assert shown("BrokenLinear")  # a name vLLM could not place: a real failure
+    with weight_push(partial=True):  # frozen norms, embeddings and vision tower left out
+        assert not shown("RMSNorm") and not shown("VocabParallelEmbedding")
+        assert shown("BrokenLinear")
+    assert shown("RMSNorm")  # outside a partial push nothing is presumed
+    _PUSH.failed_in_full_push.clear()

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from spmd_grpo.config.checks import ConfigError
-from spmd_grpo.run.lock import LOCK, lock_run_dir, name_holder
+from spmd_grpo.run.lock import LOCK, check_not_locked, lock_run_dir, name_holder
 from tests.conftest import REPO
 
 HOLD = """
@@ -56,6 +56,21 @@ def test_a_second_job_is_refused_naming_the_holder_and_kill_9_frees_the_lock(hol
     lock_run_dir(run)  # granted at once
     name_holder(run)
     assert f"pid {os.getpid()}," in (run / LOCK).read_text()
+
+
+def test_the_launchers_probe_refuses_a_held_directory_and_holds_nothing(holder, tmp_path):
+    """`check_not_locked` (spmd_grpo.launch, before any rank exists) names the holder; on a free directory it
+    takes nothing (a rank then locks it at once) and writes nothing."""
+    run, proc = holder
+    with pytest.raises(ConfigError, match=f"in use by another job \\(host .*, pid {proc.pid},"):
+        check_not_locked(run)
+    free = tmp_path / "free"
+    free.mkdir()
+    (free / LOCK).write_text("")
+    check_not_locked(free)
+    check_not_locked(tmp_path / "absent")  # no lock file: nothing to probe, nothing created
+    assert not (tmp_path / "absent").exists() and (free / LOCK).read_text() == ""
+    lock_run_dir(free)  # not held by the probe
 
 
 def test_the_cli_refuses_with_one_line_and_exit_2(holder, tmp_path):

@@ -117,7 +117,38 @@ def test_a_mixed_row_set_loads_with_bad_videos_named(processor, tmp_path, caplog
     assert f"skipped {path} row 5: video cannot be sampled" in log
     assert f"skipped {path} row 6: <video> markers do not match videos (0 markers, 1 videos)" in log
     assert f"skipped {path} row 7: more videos than worker.rollout.limit_videos (2 > 1)" in log
-    assert "longer than data.max_prompt_length=200 after image expansion (rows 8)" in log
+    too_long = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("filtered"))
+    assert too_long.startswith("filtered 1 of 5 prompts, "), too_long
+    assert "(row 8: " in too_long and "video (" in too_long and ": 40 frames of 112x112)" in too_long, (
+        too_long
+    )
+    assert (
+        "data.video_max_frames, data.video_fps, data.video_max_pixels or data.video_total_pixels" in too_long
+    )
+    # Every prompt too long: the error names the video, the lengths and the keys that shorten them.
+    named = write_parquet(
+        [
+            {
+                "problem": "<video>Color?",
+                "answer": "1",
+                "videos": [{"bytes": None, "path": str(tmp_path / "clip.mp4")}],
+            }
+        ],
+        tmp_path / "long.parquet",
+    )
+    (tmp_path / "clip.mp4").write_bytes(_video([RED] * 40, size=(112, 112)))
+    with pytest.raises(ValueError) as e:
+        load_dataset(replace(cfg, train_files=str(named)), processor, limit_videos=1)
+    message = str(e.value)
+    assert message.startswith(
+        f"no usable examples in {named} (data.max_prompt_length=200): too long: 1 of 1"
+    ), message
+    assert (
+        "(row 0: " in message and f"tokens (video {tmp_path / 'clip.mp4'}: 40 frames of 112x112)" in message
+    )
+    assert (
+        "raise data.max_prompt_length, or shorten the videos' prompts" in message and "video_fps" in message
+    )
     video_row, both = examples[2], examples[3]
     first, second = video_row.videos, video_row.videos
     assert first[0].frames is not second[0].frames  # decoded on demand, nothing kept
