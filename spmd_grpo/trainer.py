@@ -56,6 +56,7 @@ from spmd_grpo.data.prompts import processor_kwargs_for
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy, build_reference
+from spmd_grpo.models.families import family_of
 from spmd_grpo.rollout.dynamic_sampling import collect_groups
 from spmd_grpo.rollout.engine import RolloutEngine
 from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, attach_video_inputs, generate
@@ -132,7 +133,10 @@ class Trainer:
         )
         self.sampling, self.val_sampling = self._sampling_configs()
         self.spec = UpdateSpec.from_config(
-            cfg, world_size=world.world_size, pad_token_id=self.processor.tokenizer.pad_token_id
+            cfg,
+            world_size=world.world_size,
+            pad_token_id=self.processor.tokenizer.pad_token_id,
+            family=family_of(self.policy.config),
         )
         self.loggers = Loggers([])  # made in `_start`, after resume (they start after the resumed step)
 
@@ -161,7 +165,7 @@ class Trainer:
                 with timer("adv"):
                     m.update(self.compute_advantages(samples))
                 with timer("old_log_prob"):  # ~0 s when the update takes them from its own forward
-                    encode_images(self.policy, samples, self.spec)  # once per step, frozen tower only
+                    encode_images(self.policy, samples, self.spec)  # spec.image_features per_step only
                     if not self.spec.old_logprobs_in_update(len(samples)):
                         for s, lp in zip(
                             samples, compute_logprobs(self.policy, samples, self.spec), strict=True
@@ -212,14 +216,8 @@ class Trainer:
             log.warning(
                 "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
             )
-        if (
-            self.cfg.worker.actor.reuse_image_features
-            and self.cfg.worker.rollout.limit_videos
-            and self.world.is_main
-        ):
-            log.warning(
-                "worker.actor.reuse_image_features ignored with videos: images are encoded in every forward"
-            )
+        for why in self.spec.ignored if self.world.is_main else ():
+            log.warning(why)
         self.loggers = build_loggers(
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )

@@ -14,15 +14,14 @@ from spmd_grpo.actor.image_features import attach_image_features
 from spmd_grpo.actor.micro_batches import collate_for, micro_batches, uses_packing
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
-from spmd_grpo.models.families import family_of
 from spmd_grpo.models.lora import adapters_disabled
 
 
 @torch.no_grad()
 def compute_logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> list[torch.Tensor]:
     """Per-sample response logprobs (1-D CPU float32 tensors), micro-batched for experience (a padding
-    micro-batch runs one of the rank's samples and drops the result). With a trained tower and
-    `encode_once_per_pass`, `model` encodes each prompt's images once for the whole pass instead of once per
+    micro-batch runs one of the rank's samples and drops the result). With a trained tower
+    (`spec.image_features` per_pass), `model` encodes each prompt's images once for the whole pass instead of once per
     sample: the tower's share of the pass drops by the factor n (Qwen2.5-VL-7B: a 675M-parameter tower over
     ~4 patches per image token, roughly a fifth of a geometry3k sample's forward, run once instead of 5
     times for n = 5)."""
@@ -46,7 +45,7 @@ def compute_ref_logprobs(
 
 
 def _logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> list[torch.Tensor]:
-    per_pass = spec.encode_once_per_pass and family_of(model.config).reusable_image_features
+    per_pass = spec.image_features == "per_pass"
     if per_pass:
         attach_image_features(model, samples, spec)
     out: list[torch.Tensor | None] = [None] * len(samples)

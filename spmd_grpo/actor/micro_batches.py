@@ -18,7 +18,6 @@ from torch import nn
 
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
-from spmd_grpo.models.families import family_of
 from spmd_grpo.models.inputs import SequenceBatch, collate
 from spmd_grpo.parallel.collectives import all_reduce_max
 
@@ -60,8 +59,10 @@ def collate_for(
     with whether the pass's forwards run the vision tower (`UpdateSpec.tower_in_forward`) and on video
     input (`UpdateSpec.videos`: in a run that allows videos, every forward does)."""
     device = next(model.parameters()).device
-    tower = spec.tower_in_forward(family_of(model.config).reusable_image_features, for_update=for_update)
-    flags = {"tower_in_forward": tower, "video_in_forward": spec.videos}
+    flags = {
+        "tower_in_forward": spec.tower_in_forward(for_update=for_update),
+        "video_in_forward": spec.videos,
+    }
     return collate_samples(samples, spec.pad_token_id, device, packed=uses_packing(model), **flags)
 
 

@@ -192,7 +192,7 @@ def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> 
     )
     share_from = 4 if world.rank == 1 else None
     out[("frozen",)] = gradient(frozen, make_samples(processor, 256, share_from), spec, world)
-    reuse = dataclasses.replace(spec, reuse_image_features=True)
+    reuse = dataclasses.replace(spec, image_features="per_step")
     samples = make_samples(processor, 256, share_from)
     encode_images(frozen, samples, reuse)
     assert all(s.image_features is not None for s in samples)
