@@ -73,12 +73,18 @@ def check_hub(cfg: Config) -> None:
         check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
 
 
-def check_family(model_path: str) -> None:
-    """A model whose family is not supported stops here, naming the key and the supported families."""
+def check_family(model_path: str, shared_prompt: bool | str = "auto") -> None:
+    """A model whose family is not supported stops here, naming the key and the supported families; so does
+    `worker.actor.shared_prompt=true` for a family with linear-attention layers."""
     try:
-        family_of_model_path(model_path)
+        family = family_of_model_path(model_path)
     except ValueError as e:
         raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
+    if shared_prompt is True and family is not None and family.linear_attention:
+        raise ConfigError(
+            f"worker.actor.shared_prompt=true: {family.name} has linear-attention layers, whose recurrent "
+            "state after the prompt would have to seed each response (not done); use auto or false"
+        )
 
 
 def check_lora_targets(cfg: Config) -> None:
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         validate(cfg, env_world_size())
         check_reward_imports(cfg)
         check_hub(cfg)
-        check_family(cfg.worker.actor.model.model_path)
+        check_family(cfg.worker.actor.model.model_path, cfg.worker.actor.shared_prompt)
         check_lora_targets(cfg)
         check_versions()
         from spmd_grpo.run.lock import lock_run_dir, name_holder

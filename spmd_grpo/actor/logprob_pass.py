@@ -11,7 +11,7 @@ from torch import nn
 
 from spmd_grpo.actor.gathering import gathered_for_pass
 from spmd_grpo.actor.image_features import attach_image_features
-from spmd_grpo.actor.micro_batches import collate_for, micro_batches, uses_packing
+from spmd_grpo.actor.micro_batches import collate_for, micro_batches, uses_packing, uses_shared_prompt
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
 from spmd_grpo.models.lora import adapters_disabled
@@ -50,7 +50,10 @@ def _logprobs(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> list
         attach_image_features(model, samples, spec)
     out: list[torch.Tensor | None] = [None] * len(samples)
     with gathered_for_pass(model):
-        for rows in micro_batches(samples, spec, for_update=False, padded=not uses_packing(model)):
+        shared = uses_shared_prompt(model)
+        for rows in micro_batches(
+            samples, spec, for_update=False, padded=not uses_packing(model), shared=shared
+        ):
             chunk = [samples[i] for i in rows] or samples[:1]
             lp, _ = model(collate_for(model, chunk, spec, for_update=False), temperature=spec.temperature)
             for j, i in enumerate(rows):

@@ -31,6 +31,11 @@ packing the k parts are runs of the length-sorted samples instead (`length_sorte
 the largest padded part; a deviation from verl, which always packs). The losses keep their global
 normalisation, so the gradient does not depend on the partition.
 
+Shared prompts (`worker.actor.shared_prompt`, micro_batches.py): each micro-batch holds a group's prompt once;
+the loss mask covers the responses only, so the counts above and the gradient are those of the unshared
+passes. `perf/shared_prompt_tokens_saved`: the prompt tokens one epoch of the update did not compute, summed
+over ranks (the forward-only passes skip the same share of theirs).
+
 On the CPU (`gathering.accumulate_unsharded`, any world size): the parameters are gathered once per
 mini-batch and the gradient reduced once, after its last micro-batch, instead of FSDP's re-gather in every
 micro-batch's forward and backward and a reduction per micro-batch (the same sum of the same micro-batch
@@ -57,7 +62,13 @@ import torch
 from torch import nn
 
 from spmd_grpo.actor.gathering import accumulate_unsharded, end_accumulation, gathers_once_per_pass
-from spmd_grpo.actor.micro_batches import collate_for, micro_batches, pad_rows, uses_packing
+from spmd_grpo.actor.micro_batches import (
+    collate_for,
+    micro_batches,
+    pad_rows,
+    uses_packing,
+    uses_shared_prompt,
+)
 from spmd_grpo.actor.optimizer import clip_grad_norm
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.algorithm.correction import Correction, MetricSums, rollout_correction
@@ -134,6 +145,9 @@ def _micro_batch_loss(
     device = next(policy.parameters()).device
     batch = collate_for(policy, samples, spec, for_update=True)
     logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
+    if batch.shares_prompt is not None and not padding:
+        saved = batch.prompt_lengths[batch.shares_prompt.to(batch.prompt_lengths.device)].sum().item()
+        _add(sums, "perf/shared_prompt_tokens_saved", float(saved), 0.0)
     width = batch.response_mask.shape[1]
     if old_from_forward or padding:
         old, correction = _old_from_forward(samples, logprobs, spec, store=not padding)
@@ -209,7 +223,8 @@ def mini_batch_backward(
     correction = None if old_from_forward else padded_correction(samples, spec)
     agg = _global_counts(samples, correction, spec)
     sums: MetricSums = {}
-    plan = micro_batches(samples, spec, for_update=True, padded=not uses_packing(policy))
+    shared = uses_shared_prompt(policy)
+    plan = micro_batches(samples, spec, for_update=True, padded=not uses_packing(policy), shared=shared)
     once = gathers_once_per_pass(policy)
     for k, rows in enumerate(plan):
         if once:
@@ -252,7 +267,7 @@ def update_policy(
     update's forward) and the caller skips the forward-only pass."""
     sums: MetricSums = {}
     grad_norms, lrs = [], []
-    num_micro_batches = 0
+    num_micro_batches, saved = 0, 0.0
     old_from_forward = spec.old_logprobs_in_update(len(samples))
     for _ in range(spec.ppo_epochs):
         for start in range(0, len(samples), spec.mini_batch_size):
@@ -260,6 +275,7 @@ def update_policy(
             optim.optimizer.zero_grad(set_to_none=True)
             mini_sums = mini_batch_backward(policy, mini, spec, world, old_from_forward=old_from_forward)
             num_micro_batches += int(mini_sums.pop("train/num_micro_batches")[0])
+            saved += mini_sums.pop("perf/shared_prompt_tokens_saved", (0.0, 0.0))[0]
             for name, (total, count) in mini_sums.items():
                 if name in ("actor/pg_loss", "actor/entropy", "actor/kl_loss") and world.rank == 0:
                     count += 1.0
@@ -276,6 +292,11 @@ def update_policy(
     count = torch.tensor([float(num_micro_batches)])
     metrics["train/num_micro_batches_min"] = float(all_reduce_min(count))
     metrics["train/num_micro_batches_max"] = float(all_reduce_max(count))
+    # Prompt tokens one epoch of the update did not compute (all ranks); the forward-only passes save the
+    # same share of theirs.
+    metrics["perf/shared_prompt_tokens_saved"] = (
+        float(all_reduce_sum(torch.tensor([saved]))) / spec.ppo_epochs
+    )
     if spec.use_kl_loss:
         metrics["actor/kl_coef"] = spec.kl_coef
     return metrics

@@ -157,6 +157,13 @@ class ActorConfig:
     varlen attention path (flash attention on CUDA with `flash_attn`, the fused kernel on Ascend, causal
     sdpa per sequence length on the CPU), off on CUDA without `flash_attn`, where true packs with a dense
     block-diagonal mask (correct, not faster)."""
+    shared_prompt: bool | Literal["auto"] = "auto"
+    """Hold each GRPO group's prompt (and its images and videos) once in the old-logprob, reference and
+    update passes, followed by its responses, each attending to the prompt and causally to itself: the
+    same logprobs and gradients, P + nR tokens per group instead of n(P + R). auto: on with the packed
+    layout on the CPU (causal sdpa per length with a prompt prefix), off elsewhere (flash attention's varlen
+    kernel cannot take a shared prefix) and for model families with linear-attention layers; true: on with
+    any packed layout (the same sdpa path on accelerators); needs padding_free."""
     reuse_image_features: bool = True
     """With model.freeze_vision_tower: encode each prompt's images once per step, reused by all its samples
     and every trainer pass; ignored (images re-encoded in every forward) when the tower is trained, and
@@ -188,6 +195,10 @@ class ActorConfig:
         require(dual is None or dual > 1, f"{prefix}clip_ratio_dual must be > 1 (or null), got {dual}")
         require_at_least(self, prefix, 0, "entropy_coef")
         require_positive(self, prefix, "max_grad_norm")
+        require(
+            not (self.shared_prompt is True and self.padding_free is False),
+            f"{prefix}shared_prompt=true needs {prefix}padding_free (the shared layout is a packed row)",
+        )
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,10 @@ class Family:
     deepstack: bool = False
     """Vision features of intermediate tower blocks are added to the first decoder layers' hidden states at
     the image tokens (Qwen3-VL's DeepStack; `vision_layout` then takes `deepstack=` block indexes)."""
+    linear_attention: bool = False
+    """Some decoder layers are linear attention (a recurrent state and a causal convolution over the
+    sequence). A shared prompt would need the prompt's final state to seed each response, which is not
+    done: shared prompts are off for such a family (`worker.actor.shared_prompt`)."""
 
     @property
     def reusable_image_features(self) -> bool:
