@@ -77,8 +77,9 @@ def prompt_groups(samples: list[Sample]) -> list[list[int]]:
 
 
 def uses_shared_prompt(model: nn.Module) -> bool:
-    """Whether `model`'s passes hold each group's prompt once (`worker.actor.shared_prompt`, resolved at build)."""
-    return bool(getattr(model, "shared_prompt", False))
+    """Whether `model`'s passes hold each group's prompt once (`worker.actor.shared_prompt`, resolved at
+    build; packed batches only)."""
+    return bool(getattr(model, "shared_prompt", False)) and uses_packing(model)
 
 
 def uses_packing(model: nn.Module) -> bool:
