@@ -341,6 +341,7 @@ def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     from spmd_grpo.actor.update import update_policy
     from spmd_grpo.config.loader import last_wins, load_config
     from spmd_grpo.models.build import build_policy
+    from spmd_grpo.models.families import family_of
     from spmd_grpo.parallel.collectives import init_distributed
 
     torch.set_num_threads(args.threads)
@@ -352,7 +353,9 @@ def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     policy = build_policy(cfg.worker.actor, world)
     optim = build_optimizer(policy, cfg.worker.actor.optim, total_steps=100)
     processor = AutoProcessor.from_pretrained(model_dir)
-    spec = UpdateSpec.from_config(cfg, world_size=1, pad_token_id=processor.tokenizer.pad_token_id)
+    spec = UpdateSpec.from_config(
+        cfg, world_size=1, pad_token_id=processor.tokenizer.pad_token_id, family=family_of(policy.config)
+    )
     samples = ratio_samples(processor, args.ratio_prompts, 8, 64)
     fwd, upd, fwd_cpu, upd_cpu = [], [], [], []
     for _ in range(args.rounds):

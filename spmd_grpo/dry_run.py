@@ -158,6 +158,7 @@ def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: flo
         f"tie_word_embeddings={hf_config.tie_word_embeddings}",
         *_lora_lines(cfg, model, b),
         *_layout_lines(cfg, b),
+        _shared_prompt_line(cfg, b, family_of(hf_config).linear_attention),
         _shapes_line(cfg, b.seq, family_of(hf_config).patch_size),
         *_memory_lines(cfg, model, b, device_memory_gb),
     ]
@@ -191,14 +192,48 @@ def _layout_lines(cfg: Config, b: _Batches) -> list[str]:
     ]
 
 
+def _shares_prompt(cfg: Config) -> bool:
+    """Whether the planned accelerators hold each group's prompt once: `worker.actor.shared_prompt=true` with
+    packed batches (auto shares on the CPU only: flash attention's varlen kernel cannot share a prefix)."""
+    a = cfg.worker.actor
+    return a.shared_prompt is True and a.padding_free is not False
+
+
+def _shared_prompt_line(cfg: Config, b: _Batches, linear_attention: bool) -> str:
+    """The shared-prompt layout's tokens per group at the longest prompt and response, and whether it is on."""
+    d, n = cfg.data, cfg.worker.rollout.n
+    p, r = d.max_prompt_length, d.max_response_length
+    unshared, shared = n * (p + r), p + n * r
+    on = _shares_prompt(cfg) and not linear_attention
+    why = (
+        "on"
+        if on
+        else "off on accelerators with auto (on the CPU, auto shares)"
+        if cfg.worker.actor.shared_prompt == "auto" and not linear_attention
+        else "off (linear-attention layers)"
+        if linear_attention
+        else "off"
+    )
+    return (
+        f"shared prompt (worker.actor.shared_prompt={str(cfg.worker.actor.shared_prompt).lower()}): {why}; a group of {n} at "
+        f"the longest holds {shared} tokens instead of {unshared} ({100 * (1 - shared / unshared):.0f} % fewer) "
+        "in the old, reference and update passes"
+    )
+
+
 def _micro_tokens(cfg: Config, b: _Batches) -> int:
     """Most prompt + response tokens in one update micro-batch. A fixed-count micro-batch is padded to
     micro x the longest sequence. A token-budget one (`dynamic_batching`) holds about the budget: its parts
     are balanced but, as verl's, not capped, so one part can exceed the budget by up to one sequence, and
-    none holds more than the rank's mini-batch."""
+    none holds more than the rank's mini-batch. With shared prompts a fixed-count micro-batch holds each of
+    its groups' prompt once."""
     a = cfg.worker.actor
     if not a.dynamic_batching:
-        return a.micro_batch_size_per_device_for_update * b.seq
+        micro = a.micro_batch_size_per_device_for_update
+        if _shares_prompt(cfg):  # `micro` consecutive samples span at most this many groups
+            groups = min(micro, 1 + math.ceil((micro - 1) / cfg.worker.rollout.n))
+            return groups * cfg.data.max_prompt_length + micro * cfg.data.max_response_length
+        return micro * b.seq
     return min(b.mini_per_rank * b.seq, a.max_token_len_per_device_for_update + b.seq)
 
 

@@ -45,6 +45,7 @@ from spmd_grpo.data.prompts import processor_kwargs_for
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy, build_reference
+from spmd_grpo.models.families import family_of
 from spmd_grpo.models.moe.metrics import moe_metrics
 from spmd_grpo.rollout.dynamic_sampling import collect_groups
 from spmd_grpo.rollout.engine import RolloutEngine
@@ -122,7 +123,10 @@ class Trainer:
         )
         self.sampling, self.val_sampling = self._sampling_configs()
         self.spec = UpdateSpec.from_config(
-            cfg, world_size=world.world_size, pad_token_id=self.processor.tokenizer.pad_token_id
+            cfg,
+            world_size=world.world_size,
+            pad_token_id=self.processor.tokenizer.pad_token_id,
+            family=family_of(self.policy.config),
         )
         self.loggers = Loggers([])  # made in `_start`, after resume (they start after the resumed step)
 
@@ -151,7 +155,7 @@ class Trainer:
                 with timer("adv"):
                     m.update(self.compute_advantages(samples))
                 with timer("old_log_prob"):  # ~0 s when the update takes them from its own forward
-                    encode_images(self.policy, samples, self.spec)  # once per step, frozen tower only
+                    encode_images(self.policy, samples, self.spec)  # spec.image_features per_step only
                     if not self.spec.old_logprobs_in_update(len(samples)):
                         for s, lp in zip(
                             samples, compute_logprobs(self.policy, samples, self.spec), strict=True
@@ -195,7 +199,8 @@ class Trainer:
                 self.total_steps,
                 self.world.world_size,
             )
-        for note in ignored_settings(self.cfg, self.world.device_type) if self.world.is_main else ():
+        notes = [*ignored_settings(self.cfg, self.world.device_type), *self.spec.ignored]
+        for note in notes if self.world.is_main else ():
             log.info(note)
         self.loggers = build_loggers(
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main

@@ -1,4 +1,4 @@
-"""Image features encoded once per prompt and reused for all its samples (`reuse_image_features`).
+"""Image features encoded once per prompt and reused for all its samples (`UpdateSpec.image_features`).
 
 The vision tower runs on each distinct image once per pass; the features are attached to every sample of the
 prompt and handed to the language model as precomputed encoder outputs. Under FSDP2 every rank must call the
@@ -12,7 +12,6 @@ from torch import nn
 
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
-from spmd_grpo.models.families import family_of
 from spmd_grpo.models.inputs import ImageBatch, dummy_image
 from spmd_grpo.parallel.collectives import all_reduce_max
 
@@ -21,13 +20,14 @@ from spmd_grpo.parallel.collectives import all_reduce_max
 def encode_images(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> None:
     """Run the vision tower once per prompt for the whole step and attach the features to its samples.
 
-    Only with `spec.reuse_image_features` (a frozen vision tower) and a family whose language model takes
-    only the tower's final output (not Qwen3-VL, see `Family.reusable_image_features`): the n samples of a prompt and every
+    Only where `spec.image_features` is per_step (decided by `UpdateSpec.from_config`: a frozen vision
+    tower, no videos, a family whose language model takes only the tower's final output, not Qwen3-VL, see
+    `Family.reusable_image_features`): the n samples of a prompt and every
     trainer pass of the step (old logprobs, reference, update) then feed the language model these features
     instead of re-encoding the pixels, which gives the same logprobs. The reference model's tower holds the
     same (frozen, initial) weights, so it takes the policy's features, cast to its own dtype. With a trained
     tower nothing is attached here: each forward-only pass encodes once per prompt with its own model
-    (`UpdateSpec.encode_once_per_pass`: the reference's tower is its initial one, the policy's is fixed
+    (`image_features` per_pass: the reference's tower is its initial one, the policy's is fixed
     during the pass) and the update re-encodes in every forward, as the gradient needs.
 
     Collective: every rank runs the tower the same number of times (the MAX over ranks of its chunks of
@@ -38,7 +38,7 @@ def encode_images(model: nn.Module, samples: list[Sample], spec: UpdateSpec) -> 
     bf16, 115 MB for 16 prompts per rank; the pixels they replace are re-encoded three times or more per step
     without reuse (old, reference, each update epoch).
     """
-    if spec.reuse_image_features and family_of(model.config).reusable_image_features:
+    if spec.image_features == "per_step":
         attach_image_features(model, samples, spec)
 
 

@@ -11,11 +11,10 @@ from torch import nn
 
 from spmd_grpo.actor.gathering import gathered_for_pass
 from spmd_grpo.actor.image_features import attach_image_features
-from spmd_grpo.actor.micro_batches import collate_for, micro_batches, uses_packing
+from spmd_grpo.actor.micro_batches import collate_for, micro_batches, uses_packing, uses_shared_prompt
 from spmd_grpo.actor.routes import keep_recorded
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
-from spmd_grpo.models.families import family_of
 from spmd_grpo.models.lora import adapters_disabled
 
 
@@ -24,8 +23,8 @@ def compute_logprobs(
     model: nn.Module, samples: list[Sample], spec: UpdateSpec, *, route_pass: str = "old"
 ) -> list[torch.Tensor]:
     """Per-sample response logprobs (1-D CPU float32 tensors), micro-batched for experience (a padding
-    micro-batch runs one of the rank's samples and drops the result). With a trained tower and
-    `encode_once_per_pass`, `model` encodes each prompt's images once for the whole pass instead of once per
+    micro-batch runs one of the rank's samples and drops the result). With a trained tower
+    (`spec.image_features` per_pass), `model` encodes each prompt's images once for the whole pass instead of once per
     sample: the tower's share of the pass drops by the factor n (Qwen2.5-VL-7B: a 675M-parameter tower over
     ~4 patches per image token, roughly a fifth of a geometry3k sample's forward, run once instead of 5
     times for n = 5). An MoE model's routers compare with or replay the samples' routes as `route_pass`
@@ -52,7 +51,7 @@ def compute_ref_logprobs(
 def _logprobs(
     model: nn.Module, samples: list[Sample], spec: UpdateSpec, route_pass: str
 ) -> list[torch.Tensor]:
-    per_pass = spec.encode_once_per_pass and family_of(model.config).reusable_image_features
+    per_pass = spec.image_features == "per_pass"
     if per_pass:
         attach_image_features(model, samples, spec)
     out: list[torch.Tensor | None] = [None] * len(samples)
@@ -60,7 +59,10 @@ def _logprobs(
         getattr(model, "moe", None) is not None and route_pass == "old" and spec.routing_replay != "rollout"
     )
     with gathered_for_pass(model):
-        for rows in micro_batches(samples, spec, for_update=False, padded=not uses_packing(model)):
+        shared = uses_shared_prompt(model)
+        for rows in micro_batches(
+            samples, spec, for_update=False, padded=not uses_packing(model), shared=shared
+        ):
             chunk = [samples[i] for i in rows] or samples[:1]
             batch = collate_for(model, chunk, spec, for_update=False, route_pass=route_pass)
             lp, _ = model(batch, temperature=spec.temperature)

@@ -5,6 +5,14 @@ count x longest fits the budget; packed ones balance token sums (Karmarkar-Karp)
 the same number of FSDP forward/backward calls, so the micro-batch count is all-reduced with MAX and a rank
 with fewer pads with empty micro-batches (zero weight). The loss is normalised on global counts (update.py),
 so the split changes no gradient.
+
+Shared prompts (`PolicyModule.shared_prompt`, `worker.actor.shared_prompt`): a micro-batch holds each of its
+groups' prompt once (`inputs.collate`), so its samples are ordered group by group. Fixed counts keep the
+samples' order and count (a group may span micro-batches: each part then carries the prompt once, the
+result is the same). A token budget counts a group's prompt once: its unit is a group, cost P + sum of its
+responses; a group over the budget is cut into runs of consecutive responses that each fit with the
+prompt (a prompt + one response over the budget runs alone, as an unshared sequence over the budget
+does); the units are balanced as samples are without sharing. No split changes a logprob or a gradient.
 """
 
 from __future__ import annotations
@@ -19,7 +27,6 @@ from torch import nn
 from spmd_grpo.actor.routes import attach_routes
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.data.samples import Sample
-from spmd_grpo.models.families import family_of
 from spmd_grpo.models.inputs import SequenceBatch, collate
 from spmd_grpo.parallel.collectives import all_reduce_max
 
@@ -32,9 +39,15 @@ def collate_samples(
     packed: bool = False,
     tower_in_forward: bool = True,
     video_in_forward: bool = False,
+    shared_prompt: bool = False,
 ) -> SequenceBatch:
     """Prompt+response batch of rollout samples on `device`, right-padded or packed (padding-free), with
-    their images: the precomputed features where `encode_images` attached them, else the pixels."""
+    their images: the precomputed features where `encode_images` attached them, else the pixels. With
+    `shared_prompt` (packed only), consecutive samples of one prompt hold it once."""
+    groups = None
+    if shared_prompt:
+        keys = [prompt_key(s) for s in samples]
+        groups = [keys.index(k) for k in keys]
     return collate(
         [s.prompt_ids for s in samples],
         [s.response_ids for s in samples],
@@ -46,7 +59,28 @@ def collate_samples(
         tower_in_forward=tower_in_forward,
         video_inputs=[s.video_inputs for s in samples],
         video_in_forward=video_in_forward,
+        prompt_groups=groups,
     ).to(device)
+
+
+def prompt_key(sample: Sample) -> tuple:
+    """Samples with equal keys have the same prompt ids, images and videos: those of one `Prompt` record
+    (a prompt's samples share it, and its pixel values, `rollout.generate.attach_pixel_values`)."""
+    return id(sample.prompt), tuple(sample.prompt_ids)
+
+
+def prompt_groups(samples: list[Sample]) -> list[list[int]]:
+    """Indices of `samples` by prompt (`prompt_key`), groups in the order of their first sample."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(prompt_key(s), []).append(i)
+    return list(groups.values())
+
+
+def uses_shared_prompt(model: nn.Module) -> bool:
+    """Whether `model`'s passes hold each group's prompt once (`worker.actor.shared_prompt`, resolved at
+    build; packed batches only)."""
+    return bool(getattr(model, "shared_prompt", False)) and uses_packing(model)
 
 
 def uses_packing(model: nn.Module) -> bool:
@@ -59,16 +93,40 @@ def collate_for(
 ) -> SequenceBatch:
     """`samples` in the layout `model` was built for (packed when its attention has a varlen path), marked
     with whether the pass's forwards run the vision tower (`UpdateSpec.tower_in_forward`) and on video
-    input (`UpdateSpec.videos`: in a run that allows videos, every forward does); for an MoE model, with
-    the routes `route_pass` (old, ref, update) compares with or replays (actor/routes.py)."""
+    input (`UpdateSpec.videos`: in a run that allows videos, every forward does); each prompt held once
+    where the model was built for shared prompts (`uses_shared_prompt`); for an MoE model, with the routes
+    `route_pass` (old, ref, update) compares with or replays (actor/routes.py)."""
     device = next(model.parameters()).device
-    tower = spec.tower_in_forward(family_of(model.config).reusable_image_features, for_update=for_update)
-    flags = {"tower_in_forward": tower, "video_in_forward": spec.videos}
+    flags = {
+        "tower_in_forward": spec.tower_in_forward(for_update=for_update),
+        "video_in_forward": spec.videos,
+        "shared_prompt": uses_shared_prompt(model),
+    }
     batch = collate_samples(samples, spec.pad_token_id, device, packed=uses_packing(model), **flags)
     moe = getattr(model, "moe", None)
     if moe is not None:
         attach_routes(batch, samples, moe, mode=spec.routing_replay, route_pass=route_pass)
     return batch
+
+
+def shared_prompt_units(samples: list[Sample], budget: int) -> tuple[list[list[int]], list[int]]:
+    """(units, their token costs) for a token budget with shared prompts: each group's samples, cut into runs
+    whose prompt + responses fit `budget` (see the module docstring), the prompt counted once per run."""
+    units, costs = [], []
+    for group in prompt_groups(samples):
+        prompt = len(samples[group[0]].prompt_ids)
+        unit, cost = [], prompt
+        for i in group:
+            r = len(samples[i].response_ids)
+            if unit and cost + r > budget:
+                units.append(unit)
+                costs.append(cost)
+                unit, cost = [], prompt
+            unit.append(i)
+            cost += r
+        units.append(unit)
+        costs.append(cost)
+    return units, costs
 
 
 def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
@@ -172,22 +230,37 @@ def _crossing(prev: list[float], lo: int, j: int, longest: int) -> int:
 
 
 def micro_batches(
-    samples: list[Sample], spec: UpdateSpec, *, for_update: bool, padded: bool = False
+    samples: list[Sample], spec: UpdateSpec, *, for_update: bool, padded: bool = False, shared: bool = False
 ) -> list[list[int]]:
     """Index lists of `samples`, one per forward; the same count on every rank (collective with dynamic
     batching). An empty list is a padding micro-batch (zero weight). With dynamic batching the parts
     balance token sums (packed layout: cost ~ tokens; ceil(tokens / budget) parts) or, `padded`, are runs
-    of similar lengths, as few as keep every part's count x longest within the budget."""
+    of similar lengths, as few as keep every part's count x longest within the budget. `shared`: shared
+    prompts (the module docstring): each part lists its samples group by group."""
     if not spec.dynamic_batching:
         size = spec.micro_batch_size if for_update else spec.experience_micro_batch_size
-        return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
+        parts = [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
+        return [_by_group(samples, p) for p in parts] if shared else parts
     budget = spec.max_token_len_for_update if for_update else spec.max_token_len_for_experience
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    if shared:
+        units, lengths = shared_prompt_units(samples, budget)
+    else:
+        units, lengths = (
+            [[i] for i in range(len(samples))],
+            [len(s.prompt_ids) + len(s.response_ids) for s in samples],
+        )
     if padded:
         local = padded_part_count(lengths, budget)
     else:
-        local = min(len(samples), math.ceil(sum(lengths) / budget))
+        local = min(len(units), math.ceil(sum(lengths) / budget))
     k = int(all_reduce_max(torch.tensor([local], dtype=torch.long)).item())
     partition = length_sorted_partitions if padded else balanced_partitions
-    parts = [p for p in partition(lengths, min(k, len(samples))) if p] if samples else []
+    parts = [p for p in partition(lengths, min(k, len(units))) if p] if units else []
+    parts = [[i for u in p for i in units[u]] for p in parts]
+    parts = [_by_group(samples, p) for p in parts] if shared else parts
     return parts + [[] for _ in range(k - len(parts))]
+
+
+def _by_group(samples: list[Sample], rows: list[int]) -> list[int]:
+    """`rows` reordered so that each prompt's samples are consecutive (groups in order of first appearance)."""
+    return [rows[i] for g in prompt_groups([samples[r] for r in rows]) for i in g]

@@ -31,6 +31,11 @@ packing the k parts are runs of the length-sorted samples instead (`length_sorte
 the largest padded part; a deviation from verl, which always packs). The losses keep their global
 normalisation, so the gradient does not depend on the partition.
 
+Shared prompts (`worker.actor.shared_prompt`, micro_batches.py): each micro-batch holds a group's prompt once;
+the loss mask covers the responses only, so the counts above and the gradient are those of the unshared
+passes. `perf/shared_prompt_tokens_saved`: the prompt tokens one epoch of the update did not compute, summed
+over ranks (the forward-only passes skip the same share of theirs).
+
 On the CPU (`gathering.accumulate_unsharded`, any world size): the parameters are gathered once per
 mini-batch and the gradient reduced once, after its last micro-batch, instead of FSDP's re-gather in every
 micro-batch's forward and backward and a reduction per micro-batch (the same sum of the same micro-batch
@@ -57,12 +62,19 @@ import torch
 from torch import nn
 
 from spmd_grpo.actor.gathering import accumulate_unsharded, end_accumulation, gathers_once_per_pass
-from spmd_grpo.actor.micro_batches import collate_for, micro_batches, pad_rows, uses_packing
+from spmd_grpo.actor.micro_batches import (
+    collate_for,
+    micro_batches,
+    pad_rows,
+    uses_packing,
+    uses_shared_prompt,
+)
 from spmd_grpo.actor.optimizer import clip_grad_norm
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.algorithm.correction import Correction, MetricSums, rollout_correction
 from spmd_grpo.algorithm.loss import aggregate, kl_penalty, policy_loss
 from spmd_grpo.data.samples import Sample
+from spmd_grpo.models.inputs import SequenceBatch
 from spmd_grpo.parallel.collectives import World, all_reduce_max, all_reduce_min, all_reduce_sum
 from spmd_grpo.telemetry.metrics import global_means
 
@@ -132,7 +144,6 @@ def _micro_batch_loss(
     aux_weight: float = 0.0,
 ) -> torch.Tensor:
     """This micro-batch's share of the global mini-batch loss; adds its metric sums to `sums`.
-
     `old_from_forward`: the old logprobs (and the rollout correction) come from this forward, detached.
     `padding`: a zero-weight micro-batch that only keeps the ranks' forward/backward counts equal.
     `aux_weight`: this micro-batch's share of the rank's router aux loss (MoE, see `_router_aux_loss`).
@@ -140,6 +151,8 @@ def _micro_batch_loss(
     device = next(policy.parameters()).device
     batch = collate_for(policy, samples, spec, for_update=True)
     logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
+    if not padding:
+        _count_shared_prompt_tokens(batch, sums)
     width = batch.response_mask.shape[1]
     if old_from_forward or padding:
         old, correction = _old_from_forward(samples, logprobs, spec, store=not padding)
@@ -178,6 +191,13 @@ def _micro_batch_loss(
     for name, (total, count) in pg_metrics.items():
         _add(sums, f"actor/{name}", float(total), float(count))
     return loss * 0.0 if padding else loss
+
+
+def _count_shared_prompt_tokens(batch: SequenceBatch, sums: MetricSums) -> None:
+    """`perf/shared_prompt_tokens_saved`: the prompt tokens this forward did not compute (held once per group)."""
+    if batch.shares_prompt is not None:
+        saved = batch.prompt_lengths[batch.shares_prompt.to(batch.prompt_lengths.device)].sum().item()
+        _add(sums, "perf/shared_prompt_tokens_saved", float(saved), 0.0)
 
 
 def _router_aux_loss(policy: nn.Module, sums: MetricSums, weight: float) -> torch.Tensor | float:
@@ -230,7 +250,8 @@ def mini_batch_backward(
     correction = None if old_from_forward else padded_correction(samples, spec)
     agg = _global_counts(samples, correction, spec)
     sums: MetricSums = {}
-    plan = micro_batches(samples, spec, for_update=True, padded=not uses_packing(policy))
+    shared = uses_shared_prompt(policy)
+    plan = micro_batches(samples, spec, for_update=True, padded=not uses_packing(policy), shared=shared)
     once = gathers_once_per_pass(policy)
     tokens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     for k, rows in enumerate(plan):
@@ -275,7 +296,7 @@ def update_policy(
     update's forward) and the caller skips the forward-only pass."""
     sums: MetricSums = {}
     grad_norms, lrs = [], []
-    num_micro_batches = 0
+    num_micro_batches, saved = 0, 0.0
     old_from_forward = spec.old_logprobs_in_update(len(samples))
     for _ in range(spec.ppo_epochs):
         for start in range(0, len(samples), spec.mini_batch_size):
@@ -283,6 +304,7 @@ def update_policy(
             optim.optimizer.zero_grad(set_to_none=True)
             mini_sums = mini_batch_backward(policy, mini, spec, world, old_from_forward=old_from_forward)
             num_micro_batches += int(mini_sums.pop("train/num_micro_batches")[0])
+            saved += mini_sums.pop("perf/shared_prompt_tokens_saved", (0.0, 0.0))[0]
             for name, (total, count) in mini_sums.items():
                 if name in MINI_BATCH_SHARES and world.rank == 0:
                     count += 1.0
@@ -299,6 +321,11 @@ def update_policy(
     count = torch.tensor([float(num_micro_batches)])
     metrics["train/num_micro_batches_min"] = float(all_reduce_min(count))
     metrics["train/num_micro_batches_max"] = float(all_reduce_max(count))
+    # Prompt tokens one epoch of the update did not compute (all ranks); the forward-only passes save the
+    # same share of theirs.
+    metrics["perf/shared_prompt_tokens_saved"] = (
+        float(all_reduce_sum(torch.tensor([saved]))) / spec.ppo_epochs
+    )
     if spec.use_kl_loss:
         metrics["actor/kl_coef"] = spec.kl_coef
     return metrics

@@ -179,6 +179,13 @@ class ActorConfig:
     varlen attention path (flash attention on CUDA with `flash_attn`, the fused kernel on Ascend, causal
     sdpa per sequence length on the CPU), off on CUDA without `flash_attn`, where true packs with a dense
     block-diagonal mask (correct, not faster)."""
+    shared_prompt: Auto = "auto"
+    """Hold each GRPO group's prompt (and its images and videos) once in the old-logprob, reference and
+    update passes, followed by its responses, each attending to the prompt and causally to itself: the
+    same logprobs and gradients, P + nR tokens per group instead of n(P + R). auto: on with the packed
+    layout on the CPU (causal sdpa per length with a prompt prefix), off elsewhere (flash attention's varlen
+    kernel cannot take a shared prefix) and for model families with linear-attention layers; true: on with
+    any packed layout (the same sdpa path on accelerators); needs padding_free."""
     reuse_image_features: Auto = "auto"
     """Encode each prompt's images once, reused by all its samples: once per step with a frozen tower (every
     trainer pass), once per forward-only pass with a trained one. auto: on unless videos are allowed
@@ -195,6 +202,12 @@ class ActorConfig:
     """Take the old logprobs detached from the update's forward instead of a separate forward-only pass.
     auto: when a step is exactly on-policy (one mini-batch, one epoch, no algorithm.rollout_correction
     .rollout_rs); true elsewhere is an error."""
+
+    def __post_init__(self) -> None:
+        require(
+            not (self.shared_prompt is True and self.padding_free is False),
+            "shared_prompt=true needs padding_free (the shared layout is a packed row)",
+        )
 
 
 @dataclass(config=SECTION)

@@ -9,6 +9,19 @@ length batched together (gathered from the row, then put back in order): exactly
 tokens, one kernel call per distinct length per layer (a micro-batch of 128 four-token responses to
 equal-length prompts is one call, not 128: per-sequence calls made its backward 44 % slower than padded).
 
+Shared prompts (`inputs.collate`): a group's prompt is in the row once, followed by its responses, and each
+response after the first restarts the text positions at the prompt length P instead of 0. The plan
+(`attention_plan`) reads that from the positions alone: the prompt's causal attention is computed once
+(batched with the other runs of its length), and each group's n responses in one masked sdpa, each response
+a batch row whose queries are its tokens (padded to the group's longest, Rq) and whose keys are [the P prompt
+keys; its own keys], visible: every prompt key, its own keys causally. Cost per layer and group: P^2 / 2
+scores for the prompt and n x Rq x (P + Rq) for the responses (unshared: n x (P + R)^2 / 2), plus the gathered
+copies of the prompt's keys and values, n x P per head, and a boolean mask of n x Rq x (P + Rq). On
+accelerators the same function runs (torch sdpa with a mask), in place of flash attention's varlen kernel,
+whose `cu_seqlens` give each sequence one length and cannot express a shared prefix; a kernel with separate
+query and key lengths (flash varlen with `cu_seqlens_k`, or flex attention with a block mask) would avoid
+the gathered copies and the mask there, and is not done.
+
 It is registered with transformers under `VARLEN_SDPA` (an attention function and a mask function) and is
 what `varlen_attention("cpu")` below names. transformers passes the text positions to the attention
 function as `position_ids`; the mask function returns no mask for a batch without an attention mask (a
@@ -19,6 +32,7 @@ mask, or the vision tower's per-image calls (no positions), goes to transformers
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -35,6 +49,84 @@ def sequence_bounds(positions: torch.Tensor) -> list[int]:
     return [0, *starts.tolist(), positions.numel()]
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one packed row's attention is computed, read from its text positions (row 0 of the position ids).
+
+    `causal`: (n, starts [m]) per length n: m causal runs of n tokens (whole sequences, or the prompts of
+    shared-prompt groups) batched together. `prefixed`: (prefix length P, padded response length Rq, query
+    index [m, Rq], key index [m, P + Rq], mask [m, 1, Rq, P + Rq], valid [m * Rq]) per (P, Rq): m responses
+    that each attend to their group's P prompt tokens and causally to themselves; a group's responses are
+    padded to its longest (the padding queries repeat the response's last token and are dropped, the
+    padding keys are masked).
+    """
+
+    causal: list[tuple[int, torch.Tensor]]
+    prefixed: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    @property
+    def single_sequence(self) -> bool:
+        return not self.prefixed and len(self.causal) == 1 and self.causal[0][1].numel() == 1
+
+
+def attention_plan(positions: torch.Tensor) -> AttentionPlan:
+    """The plan of a packed row from its text positions [T]. A run of consecutive positions is a segment;
+    one that starts at 0 is a sequence (or a group's prompt followed by its first response), one that starts
+    at P > 0 is a further response of the last sequence that started at 0, whose first P tokens it attends
+    to (the shared-prompt layout of `inputs.collate`). Raises ValueError on a row that is neither."""
+    bounds = sequence_bounds(positions)
+    firsts = positions[bounds[:-1]].tolist()
+    roots: list[list] = []  # [start, end, prefix length or None, [(response start, length), ...]]
+    for a, b, p in zip(bounds[:-1], bounds[1:], firsts, strict=True):
+        if p == 0:
+            roots.append([a, b, None, []])
+            continue
+        if not roots or roots[-1][2] not in (None, p) or p > roots[-1][1] - roots[-1][0]:
+            raise ValueError(
+                f"packed row: a segment at column {a} continues from position {p}, which no prompt before it ends at"
+            )
+        roots[-1][2] = p
+        roots[-1][3].append((a, b - a))
+    causal: dict[int, list[int]] = {}
+    prefixed: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for a, b, p, responses in roots:
+        if p is None:
+            causal.setdefault(b - a, []).append(a)
+            continue
+        causal.setdefault(p, []).append(a)
+        if b - a > p:  # the group's first response follows its prompt in one segment
+            responses = [(a + p, b - a - p), *responses]
+        longest = max(n for _, n in responses)
+        prefixed.setdefault((p, longest), []).extend((a, r, n) for r, n in responses)
+    device = positions.device
+    plan = AttentionPlan([(n, torch.tensor(st, device=device)) for n, st in causal.items()], [])
+    for (p, rq), items in prefixed.items():
+        prompt, start, length = torch.tensor(items, device=device).unbind(1)  # [m] each
+        j = torch.arange(rq, device=device)
+        query = start[:, None] + torch.minimum(j[None, :], length[:, None] - 1)  # [m, Rq]
+        keys = torch.cat([prompt[:, None] + torch.arange(p, device=device), query], dim=1)  # [m, P + Rq]
+        own = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < length[:, None, None])  # [m, Rq, Rq]
+        mask = torch.cat([own.new_ones(len(items), rq, p), own], dim=2)[:, None]
+        plan.prefixed.append((p, rq, query, keys, mask, (j[None, :] < length[:, None]).flatten()))
+    return plan
+
+
+_last_plan: list = [None, None]  # (positions, plan) of the last row: every layer of a forward asks again
+
+
+def _cached_plan(positions: torch.Tensor) -> AttentionPlan:
+    seen, plan = _last_plan
+    if (
+        seen is None
+        or seen.shape != positions.shape
+        or seen.device != positions.device
+        or not torch.equal(seen, positions)
+    ):
+        plan = attention_plan(positions)
+        _last_plan[:] = [positions.clone(), plan]
+    return plan
+
+
 def varlen_sdpa_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -46,7 +138,8 @@ def varlen_sdpa_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature (query/key/value [B, heads, T, head_dim]); returns
     [B, T, heads, head_dim]. One row with no mask and positions that restart: one causal sdpa per sequence
-    length, over the sequences of that length."""
+    length, over the sequences of that length; with shared prompts, one masked sdpa per (prompt length,
+    longest response of the group) over those responses (`AttentionPlan`)."""
     if (
         attention_mask is not None
         or position_ids is None
@@ -54,22 +147,32 @@ def varlen_sdpa_forward(
         or not kwargs.get("is_causal", True)
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    bounds = sequence_bounds(position_ids.reshape(-1))
-    if len(bounds) == 2:
+    plan = _cached_plan(position_ids.reshape(-1))
+    if plan.single_sequence:
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-    groups: dict[int, list[int]] = {}  # sequence length -> the starts of the sequences of that length
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        groups.setdefault(b - a, []).append(a)
     outputs, order = [], []
-    for n, starts in groups.items():
-        index = (
-            torch.tensor(starts, device=query.device)[:, None] + torch.arange(n, device=query.device)
-        ).flatten()
+    for n, starts in plan.causal:
+        index = (starts[:, None] + torch.arange(n, device=query.device)).flatten()
         # [1, heads, m * n, head_dim] -> [m, heads, n, head_dim]: the m sequences of length n as a batch
         pick = lambda t: t.index_select(2, index).unflatten(2, (len(starts), n)).squeeze(0).transpose(0, 1)  # noqa: E731, B023
         out = sdpa_attention_forward(module, pick(query), pick(key), pick(value), None, **kwargs)[0]
         outputs.append(out.flatten(0, 1))  # [m * n, heads, head_dim]
         order.append(index)
+    for _, _, q_index, k_index, mask, valid in plan.prefixed:
+        # [1, heads, T, head_dim] -> [m, heads, rows of the index, head_dim]
+        pick = lambda t, i: t.index_select(2, i.flatten()).unflatten(2, i.shape).squeeze(0).transpose(0, 1)  # noqa: E731
+        kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
+        out = sdpa_attention_forward(
+            module,
+            pick(query, q_index),
+            pick(key, k_index),
+            pick(value, k_index),
+            mask,
+            is_causal=False,
+            **kw,
+        )[0]
+        outputs.append(out.flatten(0, 1)[valid])  # [valid response tokens, heads, head_dim]
+        order.append(q_index.flatten()[valid])
     rows = torch.cat(outputs).index_select(0, torch.argsort(torch.cat(order)))
     return rows.unsqueeze(0), None
 

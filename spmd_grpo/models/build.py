@@ -55,8 +55,8 @@ import torch
 from torch import nn
 
 from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, RefConfig
-from spmd_grpo.models.attention import varlen_attention
-from spmd_grpo.models.families import family_of
+from spmd_grpo.models.attention import VARLEN_SDPA, varlen_attention
+from spmd_grpo.models.families import Family, family_of
 from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_adapter_name, target_module_names
 from spmd_grpo.models.moe.install import install_moe, router_aux_loss_coef
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
@@ -141,6 +141,28 @@ def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, s
             "padding_free on %s without a varlen attention kernel: dense block-diagonal masks", device_type
         )
     return packed, kernel or "sdpa"
+
+
+def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str, family: Family) -> bool:
+    """Whether the passes hold each group's prompt once (`worker.actor.shared_prompt`). auto: on where the
+    micro-batches are packed on the CPU, whose varlen sdpa (`attention.VARLEN_SDPA`) computes the shared
+    layout; elsewhere the packed kernel is flash attention's varlen one, which takes one length per sequence
+    and cannot give a response its prompt. true: on wherever the batches are packed, with the same sdpa
+    function on any device. Never for a family with linear-attention layers (`Family.linear_attention`):
+    the prompt's recurrent state would have to seed each response; nor for a mixture-of-experts family
+    (`Family.moe`), whose per-token routes (recorded, replayed, counted per sample) are laid out per sample."""
+    if family.linear_attention or family.moe:
+        if setting is True:
+            why = (
+                "linear-attention layers"
+                if family.linear_attention
+                else "mixture-of-experts routes per sample"
+            )
+            raise ValueError(f"worker.actor.shared_prompt=true: {family.name} has {why} (not supported)")
+        return False
+    if setting == "auto":
+        return packed and device_type == "cpu"
+    return bool(setting) and packed
 
 
 def hf_config(path: Path, *, trust_remote_code: bool):
@@ -259,6 +281,9 @@ def build_sharded(
     model.moe = install_moe(hf, aux_loss_coef=aux_coef)  # grouped experts and replay-aware routers
     if model.moe is None and (cfg.moe.routing_replay != "none" or cfg.moe.router_aux_loss_coef):
         log.warning("worker.actor.moe ignored: %s is not a mixture-of-experts model", hf.config.model_type)
+    model.shared_prompt = shared_prompt_setup(cfg.shared_prompt, packed, world.device_type, family)
+    if model.shared_prompt and attention != VARLEN_SDPA:
+        hf.set_attn_implementation(VARLEN_SDPA)  # the only kernel here that computes the shared layout
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)

@@ -130,6 +130,9 @@ class PolicyModule(nn.Module):
             split_packed_linear_attention(family.decoder_layers(hf_model), family.linear_attention.module)
         self.padding_free = padding_free
         """Whether callers should hand it packed batches (its attention implementation has a varlen path)."""
+        self.shared_prompt = False
+        """Whether callers hand it each group's prompt once (`worker.actor.shared_prompt`, resolved at build;
+        packed batches only)."""
         self.gather_once_per_pass = False
         """Whether a pass keeps the sharded parameters gathered across its micro-batches (set with the
         sharding, `worker.actor.fsdp.gather_once_per_pass`; actor/gathering.py)."""
@@ -216,9 +219,9 @@ class PolicyModule(nn.Module):
         self, hidden: torch.Tensor, batch: SequenceBatch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunked log-softmax over the vocabulary at the N positions that predict response tokens."""
-        row, src = response_token_index(batch)
+        row, src, tgt = response_token_index(batch)
         h = hidden[row, src]  # [N, H]
-        targets = batch.input_ids[row, src + 1]  # [N]
+        targets = batch.input_ids[row, tgt]  # [N]
         weight, bias, adapter = head_parts(self.hf.lm_head)
         kwargs = dict(
             inv_temperature=1.0 / temperature,

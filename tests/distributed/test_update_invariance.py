@@ -106,6 +106,17 @@ def test_packed_forward_and_reused_image_features_keep_the_gradient_under_fsdp(g
     assert _max_rel(frozen, reused) <= 1e-5
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("split", ["micro2", "budget45"])
+def test_shared_prompt_keeps_the_gradient_under_fsdp(grads, world, split):
+    """Each group's prompt held once (FSDP2, trained tower): the gradient of holding it per sample, also
+    when a token budget cuts a group, and the same on 1 and 2 ranks."""
+    unshared, shared = grads[world, "shared", split, False], grads[world, "shared", split, True]
+    assert any(".visual." in n for n in shared) and any(g.abs().max() > 0 for g in shared.values())
+    assert _max_rel(unshared, shared) <= 1e-5
+    assert _max_rel(grads[1, "shared", split, True], shared) <= 1e-5
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_gradient_same_with_token_budget_micro_batches(grads, mode, budget):

@@ -151,7 +151,9 @@ def test_export_loads_in_transformers_and_vllm(case, exports):
     trained = torch.load(found["work"] / "save.pt", weights_only=False)["at_save"][
         "params"
     ]  # the checkpoint's
-    assert saved_lora_rank(found["work"] / "run" / "checkpoints" / "global_step_2") == 0  # a LoRA resume is refused
+    assert (
+        saved_lora_rank(found["work"] / "run" / "checkpoints" / "global_step_2") == 0
+    )  # a LoRA resume is refused
 
     # Streaming: every DCP read held at most one shard's tensors.
     total = sum(

@@ -71,6 +71,7 @@ REQUIRED = (
             "throughput",
             "max_memory_allocated_gb",
             "cpu_memory_used_gb",
+            "shared_prompt_tokens_saved",
         ]
     ]
     + ["rollout/logprob_diff_mean", "rollout/logprob_diff_max", "reward/accuracy", "reward/format"]
@@ -144,6 +145,7 @@ def test_gpu_sbatch_template_two_nodes_write_every_metric(tiny_untied, slurm_shi
         assert r["actor/lr"] > 0 and r["actor/grad_norm"] > 0 and r["actor/kl_coef"] == 1e-3
         assert r["rollout/logprob_diff_max"] < 1e-3  # fp32 engine and trainer agree during training
         assert r["perf/total_num_tokens"] > 0 and r["perf/throughput"] > 0
+        assert r["perf/shared_prompt_tokens_saved"] > 0  # shared_prompt auto (packed, CPU): prompts held once
     val_steps = [r["step"] for r in rows if "val-core/color/acc/mean@1" in r]
     assert val_steps == [0, 2, 3]
     assert all("timing_s/testing" in r and "val/reward/overall" in r for r in rows if r["step"] in val_steps)

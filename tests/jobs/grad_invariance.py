@@ -37,18 +37,22 @@ from tests.jobs.common import encode, run_job
 NUM_SAMPLES = 8
 
 
-def make_samples(processor, vocab_limit: int, share_from: int | None = None) -> list[Sample]:
+def make_samples(
+    processor, vocab_limit: int, share_from: int | None = None, *, pairs: bool = False
+) -> list[Sample]:
     """NUM_SAMPLES samples with their own images; with `share_from` k, samples k.. all take sample k's prompt
-    and image (one pixel tensor, as the n samples of one prompt)."""
+    and image (one pixel tensor, as the n samples of one prompt); with `pairs`, samples 2j and 2j + 1 are
+    one prompt's group (one `Prompt` record, one pixel tensor: what shared-prompt passes share)."""
     gen = torch.Generator().manual_seed(1234)
     samples = []
     for i in range(NUM_SAMPLES):
         image = Image.new("RGB", (56, 56 + 28 * (i % 2)), ((40 * i) % 255, 100, 200))
-        if share_from is None or i <= share_from:
+        if (share_from is None or i <= share_from) and not (pairs and i % 2):
             enc = encode(processor, [image], f"Which color? {i}")
         length = 0 if i == 2 else 3 + (5 * i) % 9  # 3..11 tokens: uneven micro-batches; one empty
         response = torch.randint(0, vocab_limit, (length,), generator=gen).tolist()
-        prompt = Prompt(uid=i // 2, prompt_token_ids=[], images=[image])
+        if not (pairs and i % 2):
+            prompt = Prompt(uid=i // 2, prompt_token_ids=[], images=[image])
         samples.append(
             Sample(
                 prompt,
@@ -207,7 +211,7 @@ def expert_parallel_grads(world) -> dict:
 
 def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> dict:
     """("other_gathering",): micro-batches of one with the other `gather_once_per_pass`; ("packed",): the
-    padding-free forward; ("frozen",) / ("reuse",): a policy with a frozen vision tower
+    padding-free forward; ("shared", ...): shared-prompt passes (`shared_prompt_cases`); ("frozen",) / ("reuse",): a policy with a frozen vision tower
     without / with image features encoded once (`encode_images`). Rank 1's samples 4.. share one image, so
     the ranks have different numbers of images to encode (8 against 5 calls of one prompt: rank 1 runs
     3 dummy images to keep FSDP's collectives aligned)."""
@@ -226,11 +230,32 @@ def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> 
     )
     share_from = 4 if world.rank == 1 else None
     out[("frozen",)] = gradient(frozen, make_samples(processor, 256, share_from), spec, world)
-    reuse = dataclasses.replace(spec, reuse_image_features=True)
+    reuse = dataclasses.replace(spec, image_features="per_step")
     samples = make_samples(processor, 256, share_from)
     encode_images(frozen, samples, reuse)
     assert all(s.image_features is not None for s in samples)
     out[("reuse",)] = gradient(frozen, samples, reuse, world)
+    out.update(shared_prompt_cases(policy, processor, spec, world))
+    return out
+
+
+def shared_prompt_cases(policy, processor, spec: UpdateSpec, world) -> dict:
+    """("shared", split, on): the gradient of groups of two samples (one prompt each) with each prompt held
+    once (on) or per sample, packed, in micro-batches of 2 samples or of a 45-token budget (which cuts
+    rank 0's first group: its prompt and both responses do not fit)."""
+    out = {}
+    budget = dataclasses.replace(
+        spec, dynamic_batching=True, max_token_len_for_update=45, max_token_len_for_experience=45
+    )
+    before = policy.padding_free, policy.shared_prompt
+    policy.padding_free = True
+    for split, case in (("micro2", spec), ("budget45", budget)):
+        for on in (False, True):
+            policy.shared_prompt = on
+            out[("shared", split, on)] = gradient(
+                policy, make_samples(processor, 256, pairs=True), case, world
+            )
+    policy.padding_free, policy.shared_prompt = before
     return out
 
 

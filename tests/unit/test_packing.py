@@ -241,7 +241,7 @@ def test_encode_images_once_per_prompt_then_every_pass_reuses_them(tiny):
     samples = _samples(processor, mix)
     encode_images(policy, samples, spec)  # reuse off: nothing attached
     assert all(s.image_features is None for s in samples)
-    spec = dataclasses.replace(spec, reuse_image_features=True)
+    spec = dataclasses.replace(spec, image_features="per_step")
     calls = []
     hook = policy.hf.model.visual.register_forward_hook(
         lambda m, args, kwargs, out: calls.append(len(kwargs["grid_thw"])), with_kwargs=True
@@ -262,7 +262,7 @@ def test_encode_images_once_per_prompt_then_every_pass_reuses_them(tiny):
 
 
 def test_a_trained_tower_encodes_once_per_forward_only_pass_and_keeps_nothing(tiny):
-    """Trained tower (`encode_once_per_pass`): each `compute_logprobs` pass runs the tower once per prompt
+    """Trained tower (`image_features` per_pass): each `compute_logprobs` pass runs the tower once per prompt
     with its own weights, gives the encode-every-time logprobs, and leaves no features for the next pass."""
     processor, policy = tiny
     mix = LENGTH_MIXES["equal-lengths-same-prompt"] + LENGTH_MIXES["two-images-and-text-only"]
@@ -276,7 +276,7 @@ def test_a_trained_tower_encodes_once_per_forward_only_pass_and_keeps_nothing(ti
         every_time = list(calls)
         calls.clear()
         samples = _samples(processor, mix)
-        once = compute_logprobs(policy, samples, dataclasses.replace(spec, encode_once_per_pass=True))
+        once = compute_logprobs(policy, samples, dataclasses.replace(spec, image_features="per_pass"))
     finally:
         hook.remove()
     # 7 samples (6 with images, 7 images) in micro-batches of 2 encode 2 + 2 + 2 + 1 images; once per pass:
@@ -346,3 +346,28 @@ def test_packed_equals_padded_for_video_and_image_video_prompts(tiny):
     weights = torch.rand(padded.response_mask.shape, generator=torch.Generator().manual_seed(0))
     _, g_pad = _assert_same_pass(policy, padded, packed, weights, atol=1e-5)
     assert any(name.startswith("hf.model.visual") for name in g_pad)
+
+
+@pytest.mark.parametrize(
+    "overrides, family, expected, ignored",
+    [
+        (["worker.actor.model.freeze_vision_tower=true"], "qwen2_5_vl", "per_step", False),
+        (["worker.actor.model.freeze_vision_tower=false"], "qwen2_5_vl", "per_pass", False),
+        (["worker.actor.reuse_image_features=false"], "qwen2_5_vl", "in_forward", False),
+        (["worker.rollout.limit_videos=1"], "qwen2_5_vl", "in_forward", False),  # auto: off with videos
+        (["worker.actor.reuse_image_features=true"], "qwen3_vl", "in_forward", True),  # DeepStack: said
+        (["worker.actor.model.freeze_vision_tower=true"], "qwen3_vl", "in_forward", False),  # DeepStack
+        (["worker.actor.model.freeze_vision_tower=true"], None, "in_forward", False),  # family unknown
+    ],
+)
+def test_image_feature_reuse_is_decided_once_in_the_update_spec(overrides, family, expected, ignored):
+    from spmd_grpo.models.families import family_for_type
+
+    cfg = load_config(None, ["worker.actor.model.model_path=/nowhere", "data.train_files=x", *overrides])
+    found = family_for_type(family) if family else None
+    spec = UpdateSpec.from_config(cfg, world_size=1, pad_token_id=0, family=found)
+    assert spec.image_features == expected
+    assert bool(spec.ignored) == ignored and all("reuse_image_features" in why for why in spec.ignored)
+    # Every pass reads it: the update's forwards encode unless features were made for the whole step.
+    assert spec.tower_in_forward(for_update=True) == (expected != "per_step")
+    assert spec.tower_in_forward(for_update=False) == (expected == "in_forward")

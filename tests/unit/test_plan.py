@@ -1,5 +1,6 @@
 """`--dry-run` plans a production job on one CPU process without weights or network."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,19 @@ def test_lora_configs_fit_72b_on_one_node_and_7b_on_one_24gb_device(config, npro
     full = load_config(REPO / "configs" / config, ["worker.actor.model.lora.rank=0"])
     full_phases = _phases(dry_run(full, nnodes=1, nproc_per_node=nproc, device_memory_gb=memory_gb))
     assert not all(line.endswith("fits") or "-> fits;" in line for line in full_phases), full_phases
+
+
+def test_dry_run_plans_the_shared_prompt_layout():
+    """The plan states the shared layout's tokens per group (geometry3k 7B: prompt 2048, response 2048, n 5)
+    and, when it is on, a fixed-count micro-batch's activations count each of its groups' prompt once."""
+    base = ["worker.actor.dynamic_batching=false", "worker.actor.micro_batch_size_per_device_for_update=4"]
+    cfg = load_config(REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml", base)
+    plans = {on: dry_run(dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, actor=dataclasses.replace(
+        cfg.worker.actor, shared_prompt=on))), nnodes=1, nproc_per_node=8) for on in ("auto", True)}  # fmt: skip
+    d, n = cfg.data, cfg.worker.rollout.n
+    tokens = f"holds {d.max_prompt_length + n * d.max_response_length} tokens instead of "
+    assert "shared_prompt=auto): off on accelerators" in plans["auto"] and tokens in plans["auto"]
+    assert "shared_prompt=true): on;" in plans[True]
+    micro = 4 * (d.max_prompt_length + d.max_response_length)  # 4 samples of at most 2 groups when shared
+    shared = 2 * d.max_prompt_length + 4 * d.max_response_length
+    assert f"estimate: {micro} tokens'" in plans["auto"] and f"estimate: {shared} tokens'" in plans[True]
