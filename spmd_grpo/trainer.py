@@ -40,7 +40,7 @@ from spmd_grpo.algorithm.reward import load_reward_function, overlong_penalty, s
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import ignored_settings
 from spmd_grpo.data.dataset import load_dataset
-from spmd_grpo.data.prompts import processor_kwargs_for
+from spmd_grpo.data.prompts import processor_sizes
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy, build_reference
@@ -83,16 +83,16 @@ class Trainer:
         self.cfg, self.world, self.state, self.plan = cfg, world, RunState(), plan
         self.stop = stop or StopOnSignal(cfg.trainer.preempt_grace_s)
         d, actor = cfg.data, cfg.worker.actor
-        # `size`: transformers replays min_pixels/max_pixels given here as deprecated per-call kwargs.
         self.processor = AutoProcessor.from_pretrained(
             actor.model.tokenizer_path or actor.model.model_path,
-            size={"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels},
             trust_remote_code=actor.model.trust_remote_code,
         )
+        # The one decision of image and video sizes: the data loader, our processor calls and vLLM get it.
+        self.sizes = processor_sizes(d, self.processor, cfg.worker.rollout.limit_videos)
         shard = dict(rank=world.rank, world_size=world.world_size, all_gather=collectives.all_gather_objects)
         shard["limit_images"] = cfg.worker.rollout.limit_images  # more images: skipped, vLLM would refuse
         shard["limit_videos"] = cfg.worker.rollout.limit_videos
-        self.processor_kwargs = processor_kwargs_for(d, self.processor, cfg.worker.rollout.limit_videos)
+        shard["sizes"] = self.sizes
         self.dataset = load_dataset(
             d, self.processor, "train", **shard
         )  # rows checked once, split over ranks
@@ -114,9 +114,8 @@ class Trainer:
         if cfg.algorithm.use_kl_loss and not actor.model.lora.enabled:
             self.reference = build_reference(actor, cfg.worker.ref, world)
         self.tp_group = collectives.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
-        self.engine = RolloutEngine.from_config(
-            cfg, world, tie_word_embeddings=bool(self.policy.config.tie_word_embeddings)
-        )
+        tied = bool(self.policy.config.tie_word_embeddings)
+        self.engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tied, sizes=self.sizes)
         self.reward_fn = load_reward_function(
             cfg.worker.reward.reward_function, cfg.worker.reward.format_weight
         )
@@ -240,8 +239,8 @@ class Trainer:
         # Pixel values after DAPO's filtering and rebalancing: the raw images travel instead (8x fewer bytes
         # than float32 pixel values) and dropped groups are never processed.
         with timer("pixel_values"):
-            attach_pixel_values(samples, self.processor.image_processor)
-            attach_video_inputs(samples, self.processor, self.processor_kwargs)
+            attach_pixel_values(samples, self.processor.image_processor, self.sizes)
+            attach_video_inputs(samples, self.processor, self.sizes)
         return samples, metrics
 
     def _generate_and_score(self, step: int, gen_batch: int, timer: Timer) -> list[Sample]:
