@@ -188,7 +188,8 @@ def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
 # ---------------------------------------------------------------------- weight push fallback (rollout/engine.py)
 def test_weight_push_falls_back_to_load_weights_without_reload_weights():
     """vllm-ascend's worker has no `reload_weights`: the push goes straight into the model's load_weights."""
-    from spmd_grpo.rollout.engine import EngineStats, RolloutEngine
+    from spmd_grpo.config.workers import RolloutConfig
+    from spmd_grpo.rollout.engine import RolloutEngine
 
     received, resets = [], []
     model = SimpleNamespace(load_weights=lambda weights: received.extend(weights))
@@ -206,9 +207,8 @@ def test_weight_push_falls_back_to_load_weights_without_reload_weights():
         reset_prefix_cache=lambda: resets.append("prefix"),
         reset_mm_cache=lambda: resets.append("mm"),
     )
-    engine = RolloutEngine.__new__(RolloutEngine)  # skip building a real vLLM engine
-    engine.llm, engine.stats = llm, EngineStats()
-    engine.world = SimpleNamespace(device_type="npu")
+    world = SimpleNamespace(device_type="npu")
+    engine = RolloutEngine(llm, RolloutConfig(), world, dtype=torch.float32, tie_word_embeddings=False)
 
     weights = [("model.embed_tokens.weight", torch.ones(2, 3)), ("lm_head.weight", torch.zeros(2, 3))]
     engine.load_weights(iter(weights), version=1)
