@@ -113,11 +113,12 @@ def _prompts(processor, count: int) -> tuple[str, list]:
     return text, [Image.new("RGB", (56, 56), ((60 * p) % 255, 120, 200)) for p in range(count)]
 
 
-def bare_gen(cfg, dtype: str, text: str, images: list, rounds: int) -> list[float]:
-    """(a): plain vLLM, the same engine settings and requests; seconds per round."""
+def bare_gen(cfg, dtype: str, text: str, images: list, rounds: int, sizes) -> list[float]:
+    """(a): plain vLLM, the same engine settings (`sizes`: the run's `data.prompts.processor_sizes`) and
+    requests; seconds per round."""
     from vllm import LLM, SamplingParams
 
-    from spmd_grpo.rollout.vllm_args import engine_processor_kwargs, llm_kwargs
+    from spmd_grpo.rollout.vllm_args import llm_kwargs
 
     rollout = cfg.worker.rollout
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(rollout.kv_cache_memory_gb))))
@@ -126,9 +127,7 @@ def bare_gen(cfg, dtype: str, text: str, images: list, rounds: int) -> list[floa
         rollout,
         trust_remote_code=False,
         max_model_len=cfg.max_model_len,
-        min_pixels=cfg.data.min_pixels,
-        max_pixels=cfg.data.max_pixels,
-        mm_processor_kwargs=engine_processor_kwargs(cfg),
+        mm_processor_kwargs=sizes.processor_kwargs(),
     )
     for key in ("distributed_executor_backend", "load_format"):
         kwargs.pop(key)
@@ -206,12 +205,15 @@ def bare_worker(args: argparse.Namespace, model_dir: Path, phase: str, dtype: st
     from transformers import AutoProcessor
 
     from spmd_grpo.config.loader import load_config
+    from spmd_grpo.data.prompts import processor_sizes
 
     torch.set_num_threads(args.threads)
     cfg = load_config(REPO / "configs" / "smoke.yaml", workload(args, model_dir, dtype))
-    text, images = _prompts(AutoProcessor.from_pretrained(model_dir), args.prompts)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    text, images = _prompts(processor, args.prompts)
     if phase == "gen":
-        return later_median(bare_gen(cfg, dtype, text, images, args.steps))
+        sizes = processor_sizes(cfg.data, processor, cfg.worker.rollout.limit_videos)
+        return later_median(bare_gen(cfg, dtype, text, images, args.steps, sizes))
     return later_median(bare_update(model_dir, dtype, text, images, args.response_length, args.steps))
 
 

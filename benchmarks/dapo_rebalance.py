@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.dapo_samples import pickle_rebalance, synthetic_group  # noqa: E402
+from spmd_grpo.config.schema import DataConfig  # noqa: E402
+from spmd_grpo.data.prompts import processor_sizes  # noqa: E402
 from spmd_grpo.parallel.collectives import all_reduce_max, all_reduce_sum, init_distributed  # noqa: E402
 from spmd_grpo.rollout.dynamic_sampling import select_and_rebalance  # noqa: E402
 from spmd_grpo.rollout.generate import attach_pixel_values  # noqa: E402
@@ -103,6 +106,8 @@ def main() -> None:
     from transformers import Qwen2VLImageProcessor
 
     processor = Qwen2VLImageProcessor(size={"shortest_edge": 262144, "longest_edge": 4194304})
+    data = DataConfig(min_pixels=262144, max_pixels=4194304)
+    sizes = processor_sizes(data, SimpleNamespace(image_processor=processor), limit_videos=0)
     W, ng = world.world_size, args.gen_batches
     with_pixels, target = rank_samples(world.rank, W, args, pixel_values=True)
     images_only, _ = rank_samples(world.rank, W, args, pixel_values=False)
@@ -126,7 +131,7 @@ def main() -> None:
         1,
         world.device,
     )[0]
-    after = timed(lambda: attach_pixel_values(received, processor), 1, world.device)[0]
+    after = timed(lambda: attach_pixel_values(received, processor, sizes), 1, world.device)[0]
     report(world, args, target, rows, before, after, len({id(s.prompt) for s in received}))
 
 

@@ -32,12 +32,14 @@ From another benchmark: `sys.path.insert(0, "benchmarks"); import data_memory`, 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,20 +69,28 @@ def make_parquet(rows: int, workdir: Path, video: bool = False) -> Path:
     return path
 
 
+def pipeline_names() -> tuple[type, Callable, type]:
+    """`DataConfig`, `load_dataset` and `PromptSampler` from the modules that define them. `--before` may
+    name a commit from before the package was split into subpackages (c36be89): there they were
+    `spmd_grpo.config`, `spmd_grpo.data` and `spmd_grpo.sampler`, three flat modules."""
+    try:
+        from spmd_grpo.config.schema import DataConfig
+        from spmd_grpo.data.dataset import load_dataset
+        from spmd_grpo.data.sampler import PromptSampler
+    except ModuleNotFoundError as error:  # in the flat layout `spmd_grpo.config` is a module
+        if error.name != "spmd_grpo.config.schema":
+            raise
+        flat = {name: importlib.import_module(f"spmd_grpo.{name}") for name in ("config", "data", "sampler")}
+        return flat["config"].DataConfig, flat["data"].load_dataset, flat["sampler"].PromptSampler
+    return DataConfig, load_dataset, PromptSampler
+
+
 def pipeline(parquet: Path, processor, batch: int, video: bool = False) -> tuple[list, list]:
     """The data pipeline of one rank at world size 1: load the rows, draw one step's prompts, decode their
     images (and videos). Returns (examples, [(prompt token ids, images + video frames)] of the step)."""
     from dataclasses import replace
 
-    # Names both package layouts export (`--before` may measure a commit of the flat layout).
-    from spmd_grpo.config import DataConfig
-    from spmd_grpo.data import load_dataset
-
-    try:
-        from spmd_grpo.data import PromptSampler
-    except ImportError:  # the flat layout: spmd_grpo/sampler.py
-        from spmd_grpo.sampler import PromptSampler
-
+    DataConfig, load_dataset, PromptSampler = pipeline_names()
     cfg = replace(DataConfig(), train_files=str(parquet), rollout_batch_size=batch)
     if not video:
         examples = load_dataset(cfg, processor, "train")
@@ -100,8 +110,7 @@ def measure(parquet: Path, model_dir: Path, batch: int, video: bool = False) -> 
     """In this (fresh) process: base RSS, then the data pipeline's peak and what it keeps (bytes)."""
     import transformers
 
-    from spmd_grpo.data import load_dataset
-
+    _, load_dataset, _ = pipeline_names()
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
     # A warm-up run on a small file pays the first-use imports, caches and code pages (not per-row costs).
     warm_up = f"data_{'video_' if video else ''}{WARM_UP_ROWS}.parquet"

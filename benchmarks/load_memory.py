@@ -91,16 +91,20 @@ def builders(actor, world):
 def build_engine(actor, world, policy):
     """The rollout engine as the trainer builds it (vLLM with dummy weights, fp32 on CPU, 1 GiB KV cache),
     then its first weight push (every weight, from the sharded policy)."""
+    from transformers import AutoProcessor
+
     from spmd_grpo.config.loader import load_config
+    from spmd_grpo.data.prompts import processor_sizes
     from spmd_grpo.rollout.engine import RolloutEngine
 
     cfg = load_config(None, [
         f"worker.actor.model.model_path={actor.model.model_path}", "worker.rollout.dtype=float32",
         "worker.rollout.kv_cache_memory_gb=1.0", "worker.rollout.weight_sync_bucket_mb=64", "trainer.seed=0",
     ])  # fmt: skip
-    engine = RolloutEngine.from_config(
-        cfg, world, tie_word_embeddings=bool(policy.config.tie_word_embeddings)
-    )
+    processor = AutoProcessor.from_pretrained(actor.model.model_path)
+    sizes = processor_sizes(cfg.data, processor, cfg.worker.rollout.limit_videos)
+    tied = bool(policy.config.tie_word_embeddings)
+    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tied, sizes=sizes)
     with engine.rollout_mode(policy, 0):
         pass
     return engine

@@ -31,6 +31,7 @@ from memtools import ensure_model  # noqa: E402
 from sync_memory import BENCH_SPEC, DEFAULT_MODEL_DIR  # noqa: E402
 
 from spmd_grpo.config.loader import load_config  # noqa: E402
+from spmd_grpo.data.prompts import processor_sizes  # noqa: E402
 from spmd_grpo.models.build import build_policy  # noqa: E402
 from spmd_grpo.models.lora import lora_layers  # noqa: E402
 from spmd_grpo.parallel.collectives import init_distributed  # noqa: E402
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from transformers import AutoProcessor
     from vllm import SamplingParams
 
     world = init_distributed("cpu")
@@ -63,9 +65,10 @@ def main() -> None:
         ],
     )
     policy = build_policy(cfg.worker.actor, world)
-    engine = RolloutEngine.from_config(
-        cfg, world, tie_word_embeddings=bool(policy.config.tie_word_embeddings)
-    )
+    processor = AutoProcessor.from_pretrained(DEFAULT_MODEL_DIR)
+    sizes = processor_sizes(cfg.data, processor, cfg.worker.rollout.limit_videos)
+    tied = bool(policy.config.tie_word_embeddings)
+    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tied, sizes=sizes)
     prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 200 for j in range(24)]} for i in range(16)]
     params = [SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=i) for i in range(16)]
     with engine.rollout_mode(policy, 0):  # the base (and the first adapters): not timed

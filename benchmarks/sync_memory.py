@@ -143,8 +143,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
+    from transformers import AutoProcessor
+
     import spmd_grpo.rollout.engine as engine_mod
     from spmd_grpo.config.loader import load_config
+    from spmd_grpo.data.prompts import processor_sizes
     from spmd_grpo.models.build import DTYPES, build_policy
     from spmd_grpo.parallel.collectives import init_distributed
     from spmd_grpo.rollout.engine import RolloutEngine
@@ -165,7 +168,10 @@ def main() -> None:
     ])  # fmt: skip
     policy = build_policy(cfg.worker.actor, world)
     tie = bool(policy.config.tie_word_embeddings)
-    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tie)
+    sizes = processor_sizes(
+        cfg.data, AutoProcessor.from_pretrained(model_dir), cfg.worker.rollout.limit_videos
+    )
+    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tie, sizes=sizes)
 
     # Sizes, from the global (unsharded) shapes; what a push streams (lm_head twice-counted only if tied).
     shapes = {n: tuple(p.shape) for n, p in policy.named_parameters()}

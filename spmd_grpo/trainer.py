@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_grpo import parallel as D
 from spmd_grpo.actor.image_features import encode_images
 from spmd_grpo.actor.logprob_pass import compute_logprobs, compute_ref_logprobs
 from spmd_grpo.actor.optimizer import build_optimizer
@@ -41,12 +40,16 @@ from spmd_grpo.algorithm.reward import load_reward_function, overlong_penalty, s
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import ignored_settings
 from spmd_grpo.data.dataset import load_dataset
-from spmd_grpo.data.prompts import processor_kwargs_for
+from spmd_grpo.data.prompts import processor_sizes
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy, build_reference
 from spmd_grpo.models.families import family_of
 from spmd_grpo.models.moe.metrics import moe_metrics
+from spmd_grpo.parallel import collectives
+from spmd_grpo.parallel.collectives import World
+from spmd_grpo.parallel.devices import memory_line, seed_everything
+from spmd_grpo.parallel.signals import StopOnSignal, exit_promptly, warn_if_grace_outlasts_shutdown
 from spmd_grpo.rollout.dynamic_sampling import collect_groups
 from spmd_grpo.rollout.engine import RolloutEngine
 from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, attach_video_inputs, generate
@@ -76,24 +79,22 @@ class RunState:
 class Trainer:
     """Everything one rank holds for a run: data, policy, optimizer, reference, engine, loggers, state."""
 
-    def __init__(
-        self, cfg: Config, world: D.World, plan: StartPlan, stop: D.StopOnSignal | None = None
-    ) -> None:
+    def __init__(self, cfg: Config, world: World, plan: StartPlan, stop: StopOnSignal | None = None) -> None:
         from transformers import AutoProcessor
 
         self.cfg, self.world, self.state, self.plan = cfg, world, RunState(), plan
-        self.stop = stop or D.StopOnSignal(cfg.trainer.preempt_grace_s)
+        self.stop = stop or StopOnSignal(cfg.trainer.preempt_grace_s)
         d, actor = cfg.data, cfg.worker.actor
-        # `size`: transformers replays min_pixels/max_pixels given here as deprecated per-call kwargs.
         self.processor = AutoProcessor.from_pretrained(
             actor.model.tokenizer_path or actor.model.model_path,
-            size={"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels},
             trust_remote_code=actor.model.trust_remote_code,
         )
-        shard = dict(rank=world.rank, world_size=world.world_size, all_gather=D.all_gather_objects)
+        # The one decision of image and video sizes: the data loader, our processor calls and vLLM get it.
+        self.sizes = processor_sizes(d, self.processor, cfg.worker.rollout.limit_videos)
+        shard = dict(rank=world.rank, world_size=world.world_size, all_gather=collectives.all_gather_objects)
         shard["limit_images"] = cfg.worker.rollout.limit_images  # more images: skipped, vLLM would refuse
         shard["limit_videos"] = cfg.worker.rollout.limit_videos
-        self.processor_kwargs = processor_kwargs_for(d, self.processor, cfg.worker.rollout.limit_videos)
+        shard["sizes"] = self.sizes
         self.dataset = load_dataset(
             d, self.processor, "train", **shard
         )  # rows checked once, split over ranks
@@ -114,10 +115,9 @@ class Trainer:
         self.reference = None  # with LoRA the reference is the policy with its adapters disabled
         if cfg.algorithm.use_kl_loss and not actor.model.lora.enabled:
             self.reference = build_reference(actor, cfg.worker.ref, world)
-        self.tp_group = D.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
-        self.engine = RolloutEngine.from_config(
-            cfg, world, tie_word_embeddings=bool(self.policy.config.tie_word_embeddings)
-        )
+        self.tp_group = collectives.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
+        tied = bool(self.policy.config.tie_word_embeddings)
+        self.engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tied, sizes=self.sizes)
         self.reward_fn = load_reward_function(
             cfg.worker.reward.reward_function, cfg.worker.reward.format_weight
         )
@@ -168,7 +168,7 @@ class Trainer:
                             s.ref_logprobs = lp
                 with timer("update_actor"):
                     m.update(update_policy(self.policy, self.optim, samples, self.spec, self.world))
-                m.update(moe_metrics([self.policy, self.reference], D.all_reduce_sum))  # {}: dense
+                m.update(moe_metrics([self.policy, self.reference], collectives.all_reduce_sum))  # {}: dense
                 self.state.version += 1
                 self._log_memory("update")
             if self._validation_due(step):
@@ -206,7 +206,7 @@ class Trainer:
             self.cfg, self.total_steps, start_step=self.state.step, enabled=self.world.is_main
         )
         self.stop.install()  # again: building vLLM may have set its own SIGTERM/SIGINT handlers
-        D.warn_if_grace_outlasts_shutdown(self.cfg.trainer.preempt_grace_s, is_main=self.world.is_main)
+        warn_if_grace_outlasts_shutdown(self.cfg.trainer.preempt_grace_s, is_main=self.world.is_main)
         if self.state.step == 0 and self._validation_due(0):
             timer = Timer(self.world.device_type)
             self.write_metrics(0, timer, self.validate(0, timer))
@@ -215,14 +215,14 @@ class Trainer:
         """Collective, at a step boundary: did any rank get SIGTERM/SIGINT? Every rank gets the same answer
         (and the same signal in `state.stop_signal`), so they save and stop together."""
         signum = torch.tensor([self.stop.signum or 0], device=self.world.device)
-        self.state.stop_signal = int(D.all_reduce_max(signum).item()) or None
+        self.state.stop_signal = int(collectives.all_reduce_max(signum).item()) or None
         return self.state.stop_signal is not None
 
     def _finish(self) -> None:
         self.loggers.close()
-        D.barrier()
+        collectives.barrier()
         self.engine.shutdown()
-        D.destroy()
+        collectives.destroy()
         if self.state.stop_signal is not None:
             code = 128 + self.state.stop_signal
             since = time.monotonic() - (self.stop.received_at or time.monotonic())
@@ -246,8 +246,8 @@ class Trainer:
         # Pixel values after DAPO's filtering and rebalancing: the raw images travel instead (8x fewer bytes
         # than float32 pixel values) and dropped groups are never processed.
         with timer("pixel_values"):
-            attach_pixel_values(samples, self.processor.image_processor)
-            attach_video_inputs(samples, self.processor, self.processor_kwargs)
+            attach_pixel_values(samples, self.processor.image_processor, self.sizes)
+            attach_video_inputs(samples, self.processor, self.sizes)
         return samples, metrics
 
     def _generate_and_score(self, step: int, gen_batch: int, timer: Timer) -> list[Sample]:
@@ -293,7 +293,7 @@ class Trainer:
         alg, num_groups = self.cfg.algorithm, self.cfg.num_train_groups
         scores = torch.tensor([s.scores["overall"] for s in samples])
         group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
-        kwargs = dict(eps=alg.adv_eps, all_reduce_sum=D.all_reduce_sum)
+        kwargs = dict(eps=alg.adv_eps, all_reduce_sum=collectives.all_reduce_sum)
         if alg.norm_adv_by_std_in_grpo == "batch":
             advantages, metrics = compute_batch_std_advantages(scores, group_index, num_groups, **kwargs)
         else:
@@ -369,7 +369,7 @@ class Trainer:
 
     def _log_memory(self, phase: str) -> None:
         if self.cfg.trainer.log_memory:
-            log.info(D.memory_line(self.world.device_type, phase))
+            log.info(memory_line(self.world.device_type, phase))
 
 
 def run(cfg: Config, plan: StartPlan | None = None) -> None:
@@ -377,15 +377,15 @@ def run(cfg: Config, plan: StartPlan | None = None) -> None:
     `plan` (run.start.plan_start, made here when not given) decided what to do with the run directory).
 
     SIGTERM/SIGINT are listened for from the first line, so a signal during start-up counts too; an
-    exception ends the rank at once with exit code 1 (`D.exit_promptly`), so torchrun brings the job down."""
-    stop = D.StopOnSignal(cfg.trainer.preempt_grace_s).install()
-    D.exit_promptly(lambda: _run(cfg, plan, stop))
+    exception ends the rank at once with exit code 1 (`exit_promptly`), so torchrun brings the job down."""
+    stop = StopOnSignal(cfg.trainer.preempt_grace_s).install()
+    exit_promptly(lambda: _run(cfg, plan, stop))
 
 
-def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
+def _run(cfg: Config, plan: StartPlan | None, stop: StopOnSignal) -> None:
     plan = plan or plan_start(cfg)  # before any file is written
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    world = D.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    world = collectives.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     setup_logging(cfg.run_dir, world)
     plan = agree_on_start(plan, world)  # rank 0 decides what every rank resumes
     if world.is_main:
@@ -398,5 +398,5 @@ def _run(cfg: Config, plan: StartPlan | None, stop: D.StopOnSignal) -> None:
         for line in plan.lines():
             log.info(line)
     abandon_branch(plan, world)  # a resume from an earlier checkpoint leaves the later ones aside
-    D.seed_everything(cfg.trainer.seed)
+    seed_everything(cfg.trainer.seed)
     Trainer(cfg, world, plan, stop).train()

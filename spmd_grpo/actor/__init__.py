@@ -9,47 +9,5 @@
     update.py          PPO mini-batch steps: loss per micro-batch on global counts, clipping, optimizer step
     optimizer.py       AdamW, the LR schedule, gradient clipping
 
-The names below are imported on first use, so importing one module of the package stays light.
+Import each name from the module that defines it: this package re-exports nothing.
 """
-
-from spmd_grpo import lazy_exports
-
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "gathering": (
-            "gathers_once_per_pass",
-            "gathered_for_pass",
-            "accumulate_unsharded",
-            "end_accumulation",
-        ),
-        "image_features": (
-            "encode_images",
-            "attach_image_features",
-        ),
-        "logprob_pass": ("compute_logprobs", "compute_ref_logprobs"),
-        "routes": ("batch_routes", "attach_routes", "keep_recorded"),
-        "micro_batches": (
-            "collate_samples",
-            "uses_packing",
-            "collate_for",
-            "pad_rows",
-            "balanced_partitions",
-            "length_sorted_partitions",
-            "padded_part_count",
-            "micro_batches",
-        ),
-        "optimizer": (
-            "OptimizerBundle",
-            "build_optimizer",
-            "clip_grad_norm",
-        ),
-        "spec": ("UpdateSpec",),
-        "update": (
-            "padded_correction",
-            "mini_batch_backward",
-            "update_policy",
-            "correction_metrics",
-        ),
-    },
-)

@@ -14,9 +14,9 @@ Sources (`data.train_files` / `data.val_files`):
 
 Every row becomes one `Example`: the problem's `<image>` markers become image content parts in order, the chat
 template is applied with add_generation_prompt=True, and the prompt ids hold ONE `<|image_pad|>` per image (what
-vLLM takes). `num_prompt_tokens` counts the prompt after image-token expansion (what the trainer sees), assuming
-the trainer's processor uses the same min/max pixels (images are resized to that rule here, so the processor's
-own resize is then the identity; a warning is logged when its bounds are narrower).
+vLLM takes). `num_prompt_tokens` counts the prompt after image-token expansion (what the trainer sees): the
+run's `ProcessorSizes` (data.prompts) resize images and sample videos here, and the trainer's processor calls
+and vLLM get the same sizes, so their own resize is the identity.
 
 Loading (`load_dataset`; a collective when world_size > 1): the source's rows (a directory's files numbered as
 if concatenated in sorted order) are split into `world_size` contiguous ranges, and each rank reads ONLY its
@@ -94,7 +94,7 @@ from PIL import Image
 
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.data.images import reason_kind
-from spmd_grpo.data.prompts import Prompting
+from spmd_grpo.data.prompts import ProcessorSizes, Prompting, processor_sizes
 from spmd_grpo.data.row_checks import KeptRow, SkippedFile, SkippedRow, check_share
 from spmd_grpo.data.sources import MAX_NAMED_PER_REASON, Rows, open_sources, warn_large_row_groups
 
@@ -158,13 +158,14 @@ def load_dataset(
     all_gather: AllGather = _single_process,
     limit_images: int | None = None,
     limit_videos: int | None = None,
+    sizes: ProcessorSizes | None = None,
 ) -> list[Example]:
     """Read `cfg.train_files` (split "train") or `cfg.val_files` (split "val") into tokenized Examples.
 
     Each rank checks its contiguous share of the rows; `all_gather` (every rank's object in rank order; under
     torchrun `parallel.all_gather_objects`, called once by every rank) gives every rank the same Examples.
     `limit_images` / `limit_videos` (worker.rollout.limit_images / limit_videos): rows with more images or
-    videos are skipped.
+    videos are skipped. `sizes`: the run's `processor_sizes` (None: made here from `processor`).
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -177,11 +178,10 @@ def load_dataset(
         raise ValueError(f"world_size={world_size} needs an all_gather (parallel.all_gather_objects)")
     try:
         sources, unreadable = open_sources(source, cfg, split)
-        prompting = Prompting.for_load(cfg, processor, limit_images, log=rank == 0, limit_videos=limit_videos)
-        for (
-            s
-        ) in sources:  # images are resized as this model's processor resizes them (28 or 32 pixels a token)
-            s.factor = prompting.factor
+        sizes = sizes or processor_sizes(cfg, processor, limit_videos)
+        prompting = Prompting.for_load(cfg, processor, limit_images, sizes=sizes, limit_videos=limit_videos)
+        for s in sources:  # images resized as this model's processor resizes them
+            s.sizes = sizes
         layout = [(s.name, s.num_rows) for s in sources]
         mine: tuple[str, Any, Any] = ("ok", layout, check_share(sources, prompting, rank, world_size))
     except Exception as e:  # sent to every rank, so none waits in the all-gather for this one

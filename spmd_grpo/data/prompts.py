@@ -1,12 +1,12 @@
 """Prompts: the chat messages of a row (text split at `<image>` and `<video>` markers), the optional jinja
-format template (`data.format_prompt`), the processor's pixel bounds, and `Prompting`, which tokenizes a row
-the way vLLM and the trainer both see it (one `<|image_pad|>` per image, one `<|video_pad|>` per video; vLLM
-expands them).
+format template (`data.format_prompt`), the processor's size arguments of a run (`ProcessorSizes`, decided
+once by `processor_sizes` and handed to the data loader, the trainer and vLLM), and `Prompting`, which
+tokenizes a row the way vLLM and the trainer both see it (one `<|image_pad|>` per image, one `<|video_pad|>`
+per video; vLLM expands them).
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +15,6 @@ from typing import Any
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR, BadRow
 from spmd_grpo.data.videos import VIDEO_MARKER, VideoRules
-
-logger = logging.getLogger(__name__)
-
 
 IMAGE_MARKER = "<image>"
 _MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
@@ -40,17 +37,59 @@ def chat_messages(text: str, cfg: DataConfig) -> list[dict]:
     return messages
 
 
-def _image_processor_bounds(processor) -> tuple[int | None, int | None, int]:
-    """(min_pixels, max_pixels, tokens-per-side factor) of the processor's image resize, where it says."""
+def image_factor(processor) -> int:
+    """Pixels per image-token side of the processor's resize (patch x merge: 28, or 32 for Qwen3-VL)."""
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None:
-        return None, None, DEFAULT_IMAGE_FACTOR
-    factor = getattr(image_processor, "patch_size", 14) * getattr(image_processor, "merge_size", 2)
-    size = getattr(image_processor, "size", None)
-    size = dict(size.items()) if hasattr(size, "items") else {}
-    low = getattr(image_processor, "min_pixels", None) or size.get("min_pixels") or size.get("shortest_edge")
-    high = getattr(image_processor, "max_pixels", None) or size.get("max_pixels") or size.get("longest_edge")
-    return low, high, factor
+        return DEFAULT_IMAGE_FACTOR
+    return getattr(image_processor, "patch_size", 14) * getattr(image_processor, "merge_size", 2)
+
+
+@dataclass(frozen=True)
+class ProcessorSizes:
+    """The processor's size arguments of a run: how the data loader resizes images and samples videos, and
+    what the trainer's processor calls and vLLM (`mm_processor_kwargs`) are given, so that all three see the
+    same pixels and the processors' own resize is the identity. Made once, by `processor_sizes`."""
+
+    min_pixels: int
+    """Image bounds (data.min_pixels / data.max_pixels)."""
+    max_pixels: int
+    factor: int
+    """Pixels per image-token side of the model's processor (patch x merge)."""
+    video: VideoRules
+    """Frame sampling and per-frame / total pixel budgets of videos (data.video_*, defaults filled in)."""
+    videos: bool
+    """Whether a prompt can hold videos (worker.rollout.limit_videos > 0): the processor call then takes
+    per-modality arguments."""
+
+    def image_size(self) -> dict[str, int]:
+        """The image processor's `size` (not min_pixels/max_pixels: transformers deprecates those as per-call
+        kwargs)."""
+        return {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+
+    def processor_kwargs(self) -> dict:
+        """The processor call's (and vLLM's `mm_processor_kwargs`) sizes: `size` for images when no video
+        can occur, else `images_kwargs` and `videos_kwargs` (a shared `size` would give frames the image
+        bounds)."""
+        if not self.videos:
+            return {"size": self.image_size()}
+        return {
+            "images_kwargs": {"size": self.image_size()},
+            "videos_kwargs": {"size": self.video.processor_size()},
+        }
+
+
+def processor_sizes(cfg: DataConfig, processor, limit_videos: int | None) -> ProcessorSizes:
+    """The run's `ProcessorSizes`: the data section's bounds for `processor`'s factor. `limit_videos`
+    (worker.rollout.limit_videos; None: no limit) says whether videos can occur."""
+    factor = image_factor(processor)
+    return ProcessorSizes(
+        min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels,
+        factor=factor,
+        video=VideoRules.of(cfg, factor),
+        videos=limit_videos != 0,
+    )
 
 
 def _load_template(cfg: DataConfig):
@@ -83,11 +122,10 @@ class Prompting:
     tokenizer: Any
     template: Any  # jinja2.Template of data.format_prompt, or None
     image_pad_id: int
-    factor: int  # pixels per image-token side of the processor's resize
+    sizes: ProcessorSizes  # the run's image resize, video sampling and processor arguments
     special_tokens: re.Pattern | None  # the tokenizer's special tokens as text
     limit_images: int | None  # most images per prompt the rollout engine accepts
     video_pad_id: int = -1
-    video_rules: VideoRules | None = None
     limit_videos: int | None = None  # most videos per prompt the rollout engine accepts
 
     @classmethod
@@ -97,53 +135,21 @@ class Prompting:
         processor,
         limit_images: int | None,
         *,
-        log: bool,
+        sizes: ProcessorSizes,
         limit_videos: int | None = None,
     ) -> Prompting:
         tokenizer = getattr(processor, "tokenizer", processor)
         image_pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        proc_min, proc_max, factor = _image_processor_bounds(processor)
-        if log and ((proc_min and cfg.min_pixels < proc_min) or (proc_max and cfg.max_pixels > proc_max)):
-            logger.warning(
-                "data.min_pixels/max_pixels [%d, %d] exceed the processor's [%s, %s]: the processor will "
-                "resize images again and num_prompt_tokens will not match its expansion",
-                cfg.min_pixels,
-                cfg.max_pixels,
-                proc_min,
-                proc_max,
-            )
         special = _special_tokens(tokenizer)
         found = special.search(cfg.system_prompt) if special and cfg.system_prompt else None
         if found:
             raise ValueError(f"data.system_prompt contains the special token {found.group()!r}")
         template = _load_template(cfg)
         video_pad_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-        rules = VideoRules.of(cfg, factor)
         return cls(
-            cfg, processor, tokenizer, template, image_pad_id, factor, special, limit_images,
-            video_pad_id, rules, limit_videos,
+            cfg, processor, tokenizer, template, image_pad_id, sizes, special, limit_images,
+            video_pad_id, limit_videos,
         )  # fmt: skip
-
-    def processor_kwargs(self) -> dict:
-        """Per-modality processor arguments under which the processor's own resize of our (already resized)
-        images and frames is the identity, and frames are not resampled: what vLLM and the trainer pass."""
-        return processor_kwargs(self.cfg, None if self.limit_videos == 0 else self.video_rules)
-
-
-def processor_kwargs(cfg: DataConfig, rules: VideoRules | None) -> dict:
-    """The processor call's (and vLLM's `mm_processor_kwargs`) sizes: `size` for images when no video can
-    occur (rules None), else `images_kwargs` and `videos_kwargs` (a shared `size` would give frames the
-    image bounds). `size`, not min_pixels/max_pixels: transformers deprecates those as per-call kwargs."""
-    image_size = {"shortest_edge": cfg.min_pixels, "longest_edge": cfg.max_pixels}
-    if rules is None:
-        return {"size": image_size}
-    return {"images_kwargs": {"size": image_size}, "videos_kwargs": {"size": rules.processor_size()}}
-
-
-def processor_kwargs_for(cfg: DataConfig, processor, limit_videos: int) -> dict:
-    """`processor_kwargs` of a run: video sizes for this processor's factor where videos are allowed."""
-    factor = _image_processor_bounds(processor)[2]
-    return processor_kwargs(cfg, VideoRules.of(cfg, factor) if limit_videos else None)
 
 
 def with_video_metadata(kwargs: dict, videos: list) -> dict:

@@ -99,11 +99,11 @@ def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, s
         if isinstance(values[key], Unreadable):
             raise values[key].reason
     images, videos = image_list(values["images"]), video_list(values["videos"])
-    template, cfg, factor = prompting.template, prompting.cfg, prompting.factor
+    template, cfg, sizes = prompting.template, prompting.cfg, prompting.sizes
     text = template.render(content=problem) if template is not None else problem
     check_text(text, len(images), prompting, len(videos))
-    sizes = [resized_size(decode_image(image, source.base_dir), cfg, factor) for image in images]
-    decoded = [decode_video(video, source.base_dir, prompting.video_rules) for video in videos]
+    resized = [resized_size(decode_image(image, source.base_dir), cfg, sizes.factor) for image in images]
+    decoded = [decode_video(video, source.base_dir, sizes.video) for video in videos]
     prompt = prompting.processor.apply_chat_template(
         chat_messages(text, cfg), add_generation_prompt=True, tokenize=False
     )
@@ -120,7 +120,7 @@ def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, s
                 for entry, v in zip(videos, decoded, strict=True)
             )
         return problem, answer, array("i", ids), length, named
-    expansion = sum((height // factor) * (width // factor) - 1 for width, height in sizes)
+    expansion = sum((height // sizes.factor) * (width // sizes.factor) - 1 for width, height in resized)
     return problem, answer, array("i", ids), len(ids) + expansion, ""
 
 
@@ -136,9 +136,9 @@ def _expanded_length(
         text=[prompt],
         images=images,
         videos=[v.frames for v in videos],
-        **with_video_metadata(prompting.processor_kwargs(), videos),
+        **with_video_metadata(prompting.sizes.processor_kwargs(), videos),
     )
-    patch, temporal = prompting.factor // 2, prompting.video_rules.frame_factor
+    patch, temporal = prompting.sizes.factor // 2, prompting.sizes.video.frame_factor
     for video, grid in zip(videos, enc["video_grid_thw"], strict=True):
         t, h, w = video.frames.shape[:3]
         if [int(x) for x in grid] != [-(-t // temporal), h // patch, w // patch]:

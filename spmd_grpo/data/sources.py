@@ -17,9 +17,10 @@ from PIL import Image
 
 from spmd_grpo.config.checks import BUILTIN_DATASETS, HUB_ID
 from spmd_grpo.config.schema import DataConfig
-from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR, BadRow, decode_image, image_list, resize_image
+from spmd_grpo.data.images import BadRow, decode_image, image_list, resize_image
+from spmd_grpo.data.prompts import ProcessorSizes
 from spmd_grpo.data.synthetic import color_task_examples, synthetic_geo3k_rows, video_color_task_examples
-from spmd_grpo.data.videos import Video, VideoRules, decode_video, video_list
+from spmd_grpo.data.videos import Video, decode_video, video_list
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Rows:
     index_offset: int  # Example.index of row 0
     base_dir: Path | None  # where relative image paths are resolved
     cfg: DataConfig
-    factor: int = DEFAULT_IMAGE_FACTOR  # pixels per image-token side; load_dataset sets the processor's
+    sizes: ProcessorSizes | None = None  # the run's image resize and video sampling; load_dataset sets it
 
     def read(self, start: int, stop: int) -> Iterator[tuple[int, dict]]:
         raise NotImplementedError
@@ -62,7 +63,8 @@ class Rows:
     def decode_images(self, cell: Any) -> list[Image.Image]:
         """An image cell's images, decoded and resized for this model."""
         return [
-            resize_image(decode_image(im, self.base_dir), self.cfg, self.factor) for im in image_list(cell)
+            resize_image(decode_image(im, self.base_dir), self.cfg, self.sizes.factor)
+            for im in image_list(cell)
         ]
 
     def images(self, row: int) -> list[Image.Image]:
@@ -73,8 +75,9 @@ class Rows:
 
     def videos(self, row: int) -> list[Video]:
         try:
-            rules = VideoRules.of(self.cfg, self.factor)
-            return [decode_video(v, self.base_dir, rules) for v in video_list(self.raw_videos(row))]
+            return [
+                decode_video(v, self.base_dir, self.sizes.video) for v in video_list(self.raw_videos(row))
+            ]
         except BadRow as e:
             raise ValueError(f"{self.name} row {row}: {e}, though it passed the check at load") from e
 

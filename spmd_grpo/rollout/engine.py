@@ -59,6 +59,7 @@ from torch import nn
 
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import LoRAConfig, RolloutConfig
+from spmd_grpo.data.prompts import ProcessorSizes
 from spmd_grpo.models.build import resolve_dtype
 from spmd_grpo.models.families import family_of
 from spmd_grpo.models.lora import merge_sources
@@ -67,7 +68,6 @@ from spmd_grpo.parallel.collectives import World
 from spmd_grpo.parallel.devices import empty_cache, memory_line, set_expandable_segments
 from spmd_grpo.rollout.lora_sync import AdapterSync, vllm_lora_kwargs
 from spmd_grpo.rollout.vllm_args import (
-    engine_processor_kwargs,
     host_side_image_normalisation,
     llm_kwargs,
     quiet_vllm,
@@ -97,78 +97,72 @@ class RolloutEngine:
 
     def __init__(
         self,
-        model_path: str,
+        llm,
         cfg: RolloutConfig,
         world: World,
         *,
-        max_model_len: int,
         dtype: torch.dtype,
-        min_pixels: int,
-        max_pixels: int,
-        seed: int,
         tie_word_embeddings: bool,
-        trust_remote_code: bool = False,
-        mm_processor_kwargs: dict | None = None,
         adapter_lora: LoRAConfig | None = None,
-        return_routed_experts: bool = False,
     ) -> None:
+        """Drive `llm`, this rank's `vllm.LLM` (`from_config` builds it), which holds none of the policy's
+        weights yet (`load_format="dummy"`): the first `rollout_mode` pushes every weight. `dtype`: the
+        rollout dtype weights are cast to before they travel; `adapter_lora`: adapter-only LoRA pushes."""
+        self.llm, self.cfg, self.world, self.dtype = llm, cfg, world, dtype
+        self.tie_word_embeddings = tie_word_embeddings
+        self.sleep_enabled = _sleep_mode(cfg, world)
+        self.adapters = AdapterSync(adapter_lora) if adapter_lora else None
+        # the tensors vLLM's loader reads (Qwen3-VL-MoE: transposed experts; Qwen3.5-MoE: one per expert)
+        self.weight_layout = family_of(llm.llm_engine.model_config.hf_config).hub_tensors
+        self.stats = EngineStats()
+        self.asleep = False
+
+    @classmethod
+    def from_config(
+        cls, cfg: Config, world: World, *, tie_word_embeddings: bool, sizes: ProcessorSizes
+    ) -> RolloutEngine:
+        """Build this rank's `vllm.LLM` as a run's config describes it and drive it: the one way the trainer,
+        the test jobs and the benchmarks build an engine, so what they test is the trainer's wiring of every
+        setting. `sizes`: the run's processor sizes (`data.prompts.processor_sizes`), the ones the data
+        loader and the trainer's processor calls use."""
         from vllm import LLM
 
         quiet_vllm()
-        self.cfg, self.world, self.dtype = cfg, world, dtype
-        self.tie_word_embeddings = tie_word_embeddings
-        self.tp = cfg.tensor_parallel_size
-        self.sleep_enabled = cfg.enable_sleep_mode and world.device_type != "cpu"
+        rollout, model = cfg.worker.rollout, cfg.worker.actor.model
+        dtype = resolve_dtype(rollout.dtype, world.device_type)
+        adapter_lora = model.lora if model.lora.enabled and rollout.lora_sync == "adapter" else None
         if world.device_type == "cpu":
             # vLLM's CPU backend sizes its KV cache from this variable instead of a memory fraction.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_memory_gb))))
+            os.environ.setdefault(
+                "VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(rollout.kv_cache_memory_gb)))
+            )
         routes = {}
-        if return_routed_experts:  # routing replay from vLLM (MoE): its Model Runner V2 returns the routes
+        if cfg.worker.actor.moe.routing_replay == "rollout":  # MoE: vLLM's Model Runner V2 returns the routes
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             routes = {"enable_return_routed_experts": True}
-        self.llm = LLM(
+        llm = LLM(
             **llm_kwargs(
-                model_path,
-                cfg,
-                trust_remote_code=trust_remote_code,
-                max_model_len=max_model_len,
-                min_pixels=min_pixels,
-                max_pixels=max_pixels,
-                mm_processor_kwargs=mm_processor_kwargs,
+                model.model_path,
+                rollout,
+                trust_remote_code=model.trust_remote_code,
+                max_model_len=cfg.max_model_len,
+                mm_processor_kwargs=sizes.processor_kwargs(),
             ),
-            seed=seed + world.rank // self.tp,
+            seed=cfg.trainer.seed + world.rank // rollout.tensor_parallel_size,
             dtype=dtype,
-            enable_sleep_mode=self.sleep_enabled,
+            enable_sleep_mode=_sleep_mode(rollout, world),
             logits_processors=[suppress_vision_tokens_processor()],
             **host_side_image_normalisation(),
             **(vllm_lora_kwargs(adapter_lora) if adapter_lora else {}),
             **routes,
         )
-        self.adapters = AdapterSync(adapter_lora) if adapter_lora else None
-        # the tensors vLLM's loader reads (Qwen3-VL-MoE: transposed experts; Qwen3.5-MoE: one per expert)
-        self.weight_layout = family_of(self.llm.llm_engine.model_config.hf_config).hub_tensors
-        self.stats = EngineStats()  # dummy weights: the first rollout_mode pushes every weight
-        self.asleep = False
-
-    @classmethod
-    def from_config(cls, cfg: Config, world: World, *, tie_word_embeddings: bool) -> RolloutEngine:
-        """The engine as a run's config describes it: the one way the trainer, the test jobs and the
-        benchmarks build one, so what they test is the trainer's wiring of every setting."""
-        rollout, lora = cfg.worker.rollout, cfg.worker.actor.model.lora
         return cls(
-            cfg.worker.actor.model.model_path,
+            llm,
             rollout,
             world,
-            max_model_len=cfg.max_model_len,
-            dtype=resolve_dtype(rollout.dtype, world.device_type),
-            min_pixels=cfg.data.min_pixels,
-            max_pixels=cfg.data.max_pixels,
-            seed=cfg.trainer.seed,
+            dtype=dtype,
             tie_word_embeddings=tie_word_embeddings,
-            trust_remote_code=cfg.worker.actor.model.trust_remote_code,
-            mm_processor_kwargs=engine_processor_kwargs(cfg),
-            adapter_lora=lora if lora.enabled and rollout.lora_sync == "adapter" else None,
-            return_routed_experts=cfg.worker.actor.moe.routing_replay == "rollout",
+            adapter_lora=adapter_lora,
         )
 
     def settings(self) -> dict:
@@ -184,6 +178,7 @@ class RolloutEngine:
             "max_num_seqs": vc.scheduler_config.max_num_seqs,
             "limit_images": vc.model_config.multimodal_config.get_limit_per_prompt("image"),
             "limit_videos": vc.model_config.multimodal_config.get_limit_per_prompt("video"),
+            "mm_processor_kwargs": vc.model_config.multimodal_config.mm_processor_kwargs,
         }
 
     # ----------------------------------------------------------------------------------- sleep / wake
@@ -306,6 +301,10 @@ class RolloutEngine:
     def generate(self, prompts: list, sampling_params: list) -> list:
         lora = self.adapters.request if self.adapters is not None else None  # the current adapter's id
         return self.llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=lora)
+
+
+def _sleep_mode(cfg: RolloutConfig, world: World) -> bool:
+    return cfg.enable_sleep_mode and world.device_type != "cpu"  # vLLM has none on CPU
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from spmd_grpo.data.prompts import ProcessorSizes, with_video_metadata
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.parallel.collectives import all_gather_objects
 
@@ -135,28 +136,27 @@ def generate(
     return [s for slot, s in group if slot == my_slot]
 
 
-def attach_pixel_values(samples: list[Sample], image_processor) -> None:
+def attach_pixel_values(samples: list[Sample], image_processor, sizes: ProcessorSizes) -> None:
     """Trainer-side pixel values, computed once per prompt and shared by its n samples (keyed by the Prompt
-    object: after DAPO rebalancing one uid can name prompts of several generation batches)."""
+    object: after DAPO rebalancing one uid can name prompts of several generation batches), with the run's
+    image `sizes` (what vLLM's processor gets)."""
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for s in samples:
         if not s.prompt.images or s.prompt.videos:  # with videos: `attach_video_inputs` does both
             continue
         if id(s.prompt) not in cache:
-            enc = image_processor(images=s.prompt.images, return_tensors="pt")
+            enc = image_processor(images=s.prompt.images, size=sizes.image_size(), return_tensors="pt")
             cache[id(s.prompt)] = (enc["pixel_values"], enc["image_grid_thw"])
         s.pixel_values, s.image_grid_thw = cache[id(s.prompt)]
 
 
-def attach_video_inputs(samples: list[Sample], processor, processor_kwargs: dict) -> None:
+def attach_video_inputs(samples: list[Sample], processor, sizes: ProcessorSizes) -> None:
     """Trainer-side inputs of prompts with videos, once per prompt and shared by its samples, from the
-    processor vLLM runs with the same sizes and metadata (`data.prompts.processor_kwargs`): a prompt's
+    processor vLLM runs with the same sizes (`sizes.processor_kwargs()`) and metadata: a prompt's
     images and videos go through one call, so `pixel_values`/`image_grid_thw` are replaced too, and the
     video's `pixel_values_videos`, `video_grid_thw` and (Qwen2.5-VL) `second_per_grid_ts` are kept. The
     call's text (one pad token per image and video) only places them; its ids are dropped (the samples'
     prompt ids are vLLM's)."""
-    from spmd_grpo.data.prompts import with_video_metadata
-
     cache: dict[int, tuple] = {}
     for s in samples:
         p = s.prompt
@@ -169,7 +169,7 @@ def attach_video_inputs(samples: list[Sample], processor, processor_kwargs: dict
                 images=list(p.images) or None,
                 videos=[v.frames for v in p.videos],
                 return_tensors="pt",
-                **with_video_metadata(processor_kwargs, p.videos),
+                **with_video_metadata(sizes.processor_kwargs(), p.videos),
             )
             video = {k: enc[k] for k in VIDEO_INPUTS if k in enc}
             if "second_per_grid_ts" in video:

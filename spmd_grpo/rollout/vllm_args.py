@@ -13,7 +13,6 @@ from contextlib import contextmanager
 
 import torch
 
-from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import RolloutConfig
 from spmd_grpo.models.families import family_of_model_path
 from spmd_grpo.models.policy import unsamplable_token_ids
@@ -137,13 +136,11 @@ def llm_kwargs(
     *,
     trust_remote_code: bool,
     max_model_len: int,
-    min_pixels: int,
-    max_pixels: int,
-    mm_processor_kwargs: dict | None = None,
+    mm_processor_kwargs: dict,
 ) -> dict:
     """The `vllm.LLM` arguments that come from the config alone (the engine adds the rank's seed, the dtype,
-    sleep mode and the logits processor). `mm_processor_kwargs`: the processor sizes of `data.prompts.
-    processor_kwargs` (default: images only, within [min_pixels, max_pixels])."""
+    sleep mode and the logits processor). `mm_processor_kwargs`: the run's processor sizes
+    (`data.prompts.ProcessorSizes.processor_kwargs`), the ones the trainer's processor calls get."""
     # Seeded requests + chunked prefill crash on CPU ("CPU Generator does not use offset"); with chunked
     # prefill off, one scheduler step must hold the largest prompt.
     return dict(
@@ -160,23 +157,6 @@ def llm_kwargs(
         max_num_seqs=cfg.max_num_seqs,
         enable_chunked_prefill=False,
         limit_mm_per_prompt={"image": cfg.limit_images, "video": cfg.limit_videos},
-        # `size`, not min_pixels/max_pixels: transformers deprecates those as per-call processor kwargs.
-        mm_processor_kwargs=mm_processor_kwargs
-        or {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
+        mm_processor_kwargs=mm_processor_kwargs,
         logprobs_mode="processed_logprobs",
     )
-
-
-def engine_processor_kwargs(cfg: Config) -> dict:
-    """The processor sizes the trainer uses too (`data.prompts.processor_kwargs`): images only unless the
-    run allows videos, then per modality with the video budget of the model's patch x merge factor."""
-    from spmd_grpo.data.images import DEFAULT_IMAGE_FACTOR
-    from spmd_grpo.data.prompts import processor_kwargs
-    from spmd_grpo.data.videos import VideoRules
-    from spmd_grpo.models.families import family_of_model_path
-
-    if not cfg.worker.rollout.limit_videos:
-        return processor_kwargs(cfg.data, None)
-    family = family_of_model_path(cfg.worker.actor.model.model_path)
-    factor = family.image_factor if family is not None else DEFAULT_IMAGE_FACTOR
-    return processor_kwargs(cfg.data, VideoRules.of(cfg.data, factor))

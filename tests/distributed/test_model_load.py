@@ -2,8 +2,12 @@
 reading only its rows): the result must be bit-identical to transformers' `from_pretrained` in fp32, at
 world 1 and world 2, with tied and untied embeddings (tests/jobs/model_load.py does the building).
 
-Two torchrun launches (world 1 and world 2) cover both models, the policy, the reference and CPU offload.
+Two torchrun launches (world 1 and world 2) cover both models, the policy, the reference and CPU offload;
+the world-1 launch also builds a checkpoint that ships its own classes, with `trust_remote_code` off and on.
 """
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -25,20 +29,66 @@ NEW_FAMILIES = ["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 """Policy and LoRA checks only (`--policy-and-lora`): their experts are read from the file's layout."""
 
 
+REMOTE_CONFIG = """from transformers import Qwen2_5_VLConfig
+
+
+class RemoteQwen2_5_VLConfig(Qwen2_5_VLConfig):
+    pass
+"""
+REMOTE_MODEL = """from transformers import Qwen2_5_VLForConditionalGeneration
+
+from .configuration_remote import RemoteQwen2_5_VLConfig
+
+
+class RemoteQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    config_class = RemoteQwen2_5_VLConfig
+"""
+
+
+def remote_code_checkpoint(model_dir, root):
+    """A copy of `model_dir` whose config and model classes live in the checkpoint (`auto_map`), as
+    remote-code models ship them; loaded without trust, transformers' own Qwen2.5-VL classes serve it."""
+    shutil.copytree(model_dir, root)
+    (root / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    (root / "modeling_remote.py").write_text(REMOTE_MODEL)
+    config = json.loads((root / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "configuration_remote.RemoteQwen2_5_VLConfig",
+        "AutoModelForImageTextToText": "modeling_remote.RemoteQwen2_5_VLForConditionalGeneration",
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
 @pytest.fixture(scope="module")
 def results(tiny_tied, tiny_untied, tmp_path_factory):
-    """{(world, "tied" | "untied" | family): the job's checks for that model}."""
+    """{(world, "tied" | "untied" | family): the job's checks for that model, (1, "remote_code"): the
+    classes}."""
     out = {}
+    work = tmp_path_factory.mktemp("load")
     families = {f: tiny_model(family=f) for f in NEW_FAMILIES}
+    remote = remote_code_checkpoint(tiny_untied, work / "remote")
     for world in WORLDS:
-        path = tmp_path_factory.mktemp("load") / f"w{world}.pt"
-        extra = ["--policy-and-lora", *map(str, families.values())]
-        torchrun([JOB, str(path), str(tiny_tied), str(tiny_untied), *extra], nproc=world)
+        path = work / f"w{world}.pt"
+        job = [JOB, str(path), str(tiny_tied), str(tiny_untied)]
+        job += ["--remote-code", str(remote)] if world == 1 else []
+        job += ["--policy-and-lora", *map(str, families.values())]
+        torchrun(job, nproc=world, env={"HF_MODULES_CACHE": str(work / "modules")})
         saved = torch.load(path)
         assert saved["world_size"] == world
         out[world, "tied"], out[world, "untied"] = saved[tiny_tied.name], saved[tiny_untied.name]
         out.update({(world, f): saved[d.name] for f, d in families.items()})
+    out[1, "remote_code"] = torch.load(work / "w1.pt")["remote_code"]
     return out
+
+
+def test_trust_remote_code_reaches_the_model_build(results):
+    """`worker.actor.model.trust_remote_code` as `build_policy` reads it: on, the checkpoint's own classes
+    are built; off, transformers' own."""
+    assert results[1, "remote_code"] == {
+        False: ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig"),
+        True: ("RemoteQwen2_5_VLForConditionalGeneration", "RemoteQwen2_5_VLConfig"),
+    }
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -5,15 +5,20 @@ prompts too, worker.rollout.limit_videos=1), takes a real optimizer step, pushes
 compares per-token logprobs of vLLM and the trainer (fp32). It then takes a second step WITHOUT a push and
 checks that the same comparison fails: the parity check is able to fail. The engine is built from a run config
 by `RolloutEngine.from_config`, as the trainer builds it, and the settings vLLM reports back must be the
-config's (the TP-2 tied case also turns `worker.actor.model.trust_remote_code` on).
+config's (the TP-2 tied case also turns `worker.actor.model.trust_remote_code` on), its processor sizes
+those `data.prompts.processor_sizes` gives the data loader and the trainer's processor calls.
 """
 
 import json
 
 import pytest
+from transformers import AutoProcessor
 
+from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.config.workers import RolloutConfig
+from spmd_grpo.data.prompts import processor_sizes
 from tests.conftest import tiny_model, torchrun
+from tests.jobs.common import VIDEO_DATA
 
 TOL = 1e-3
 
@@ -69,6 +74,8 @@ def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
         # "Failed to load weights" warnings in this job before they were told apart from real failures
         assert "Failed to load weights" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
+    data = DataConfig(**VIDEO_DATA) if videos else DataConfig()
+    sizes = processor_sizes(data, AutoProcessor.from_pretrained(model_dir), limit_videos=int(videos))
     for r in ranks:
         assert r["engine"] == {
             "model": str(model_dir),
@@ -80,6 +87,7 @@ def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
             "max_num_seqs": RolloutConfig().max_num_seqs,
             "limit_images": 2,
             "limit_videos": int(videos),
+            "mm_processor_kwargs": sizes.processor_kwargs(),
         }, r["engine"]
         assert r["tied"] == tied
         assert r["num_response_tokens"] > 0

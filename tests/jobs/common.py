@@ -56,24 +56,21 @@ def make_video(colors: list[tuple[int, int, int]], rules):
     return decode_video(encode_video([Image.new("RGB", (56, 84), c) for c in colors]), None, rules)
 
 
-def video_setup(processor) -> tuple:
-    """(video rules, processor kwargs) of a run with videos allowed, for `processor`'s patch x merge."""
+def video_setup(processor):
+    """The `data.prompts.ProcessorSizes` of a run with videos allowed (`VIDEO_DATA`), for `processor`."""
     from spmd_grpo.config.schema import DataConfig
-    from spmd_grpo.data.prompts import processor_kwargs_for
-    from spmd_grpo.data.videos import VideoRules
+    from spmd_grpo.data.prompts import processor_sizes
 
-    cfg = DataConfig(**VIDEO_DATA)
-    factor = processor.image_processor.patch_size * processor.image_processor.merge_size
-    return VideoRules.of(cfg, factor), processor_kwargs_for(cfg, processor, 1)
+    return processor_sizes(DataConfig(**VIDEO_DATA), processor, 1)
 
 
-def encode_with_videos(processor, images: list[Image.Image], videos: list, text: str, kwargs: dict) -> dict:
+def encode_with_videos(processor, images: list[Image.Image], videos: list, text: str, sizes) -> dict:
     """HF processor output of one prompt with `videos` (`data.videos.Video`; at least one) and `images`,
-    the sizes `kwargs` (`video_setup`) and the videos' metadata: the expanded input_ids vLLM returns too."""
+    the run's `sizes` (`video_setup`) and the videos' metadata: the expanded input_ids vLLM returns too."""
     from spmd_grpo.data.prompts import with_video_metadata
 
     chat = chat_text(processor, len(images), text, num_videos=len(videos))
-    call = with_video_metadata(kwargs, videos)
+    call = with_video_metadata(sizes.processor_kwargs(), videos)
     frames = [v.frames for v in videos]
     return processor(text=[chat], images=images or None, videos=frames, return_tensors="pt", **call)
 

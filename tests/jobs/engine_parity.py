@@ -32,6 +32,7 @@ from PIL import Image
 
 from spmd_grpo.actor.micro_batches import collate_samples
 from spmd_grpo.config.loader import load_config
+from spmd_grpo.data.prompts import processor_sizes
 from spmd_grpo.data.samples import Prompt
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.parallel.collectives import init_distributed, new_tp_groups
@@ -43,7 +44,7 @@ from spmd_grpo.rollout.generate import (
     generate,
     generate_for_group,
 )
-from tests.jobs.common import VIDEO_DATA, chat_text, make_video, run_job, video_setup
+from tests.jobs.common import VIDEO_DATA, chat_text, make_video, run_job
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
 
@@ -141,21 +142,21 @@ def main() -> None:
         ],
     )
     VIDEOS["video_in_forward"] = args.videos
-    video_rules, processor_kwargs = video_setup(processor) if args.videos else (None, {})
+    sizes = processor_sizes(cfg.data, processor, cfg.worker.rollout.limit_videos)  # as the trainer makes them
     policy = build_policy(cfg.worker.actor, world)
     tie = bool(policy.config.tie_word_embeddings)
-    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tie)
+    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tie, sizes=sizes)
     pad_id = processor.tokenizer.pad_token_id
     eos = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    prompts = make_prompts(processor, world.rank, args.prompts_per_rank, video_rules)
+    prompts = make_prompts(processor, world.rank, args.prompts_per_rank, sizes.video if args.videos else None)
     sampling = SamplingConfig(
         n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=12, seed=0, stop_token_ids=tuple(eos)
     )
 
     def rollout(step: int):
         samples = generate(engine, prompts, sampling, step=step, tp_group=tp_group)
-        attach_pixel_values(samples, processor.image_processor)
-        attach_video_inputs(samples, processor, processor_kwargs)
+        attach_pixel_values(samples, processor.image_processor, sizes)
+        attach_video_inputs(samples, processor, sizes)
         return samples
 
     # 1. Before any update: the engine (dummy weights, then the first push) and the trainer agree.

@@ -8,12 +8,12 @@ import json
 import torch
 import torch.distributed as dist
 
-from spmd_grpo import parallel as D
+from spmd_grpo.parallel.collectives import init_distributed
 from tests.jobs.common import run_job
 
 
 def main() -> None:
-    world = D.init_distributed("cuda")
+    world = init_distributed("cuda")
     host = torch.full((2,), float(world.rank + 1))
     dist.all_reduce(host)
     device = torch.full((2,), float(world.rank + 1), device=world.device)

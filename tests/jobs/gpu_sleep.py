@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoProcessor
 
 from spmd_grpo.config.loader import load_config
+from spmd_grpo.data.prompts import processor_sizes
 from spmd_grpo.data.samples import Prompt
 from spmd_grpo.models.build import build_policy
 from spmd_grpo.parallel.collectives import init_distributed
@@ -30,9 +32,11 @@ def main() -> None:
     ])  # fmt: skip
     rollout_cfg = cfg.worker.rollout
     policy = build_policy(cfg.worker.actor, world)
-    engine = RolloutEngine.from_config(
-        cfg, world, tie_word_embeddings=bool(policy.config.tie_word_embeddings)
+    sizes = processor_sizes(
+        cfg.data, AutoProcessor.from_pretrained(model_dir), cfg.worker.rollout.limit_videos
     )
+    tied = bool(policy.config.tie_word_embeddings)
+    engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tied, sizes=sizes)
     prompts = [Prompt(uid=0, prompt_token_ids=[1, 2, 3, 4, 5])]
     greedy = SamplingConfig(n=1, temperature=1e-5, top_p=1.0, top_k=1, max_tokens=8, seed=0)
     with engine.rollout_mode(policy, 0):

@@ -58,19 +58,19 @@ def compositions(scenario: str, rank: int) -> list[tuple[int, int]]:
 
 def make_samples(processor, counts: list[tuple[int, int]], rank: int) -> list[Sample]:
     gen = torch.Generator().manual_seed(100 + rank)
-    rules, kwargs = video_setup(processor)
+    sizes = video_setup(processor)
     samples = []
     for i, (k, v) in enumerate(counts):
         images = [
             Image.new("RGB", (56 + 28 * (j % 2), 56), (60 * i + 20 * j, 90, 30 * rank)) for j in range(k)
         ]
-        videos = [make_video([(40 * f, 30 * i, 90 * rank) for f in range(4)], rules) for _ in range(v)]
+        videos = [make_video([(40 * f, 30 * i, 90 * rank) for f in range(4)], sizes.video) for _ in range(v)]
         text = f"Rank {rank} sample {i}: how many images?"
         prompt = Prompt(uid=i, prompt_token_ids=[], images=images, videos=videos)
         if videos:  # the trainer's call (`attach_video_inputs`), with the text placed in the chat
             sample = Sample(prompt, 0, [], [], [])
-            attach_video_inputs([sample], processor, kwargs)
-            enc = encode_with_videos(processor, images, videos, text, kwargs)
+            attach_video_inputs([sample], processor, sizes)
+            enc = encode_with_videos(processor, images, videos, text, sizes)
         elif images:
             enc = encode(processor, images, text)
             sample = Sample(prompt, 0, [], [], [], pixel_values=enc["pixel_values"])

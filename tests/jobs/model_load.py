@@ -1,7 +1,7 @@
 """torchrun job: policy and reference built on the meta device and filled from the checkpoint equal
 `from_pretrained`, at any world size.
 
-    torchrun --nproc_per_node W tests/jobs/model_load.py OUT.pt MODEL_DIR [MODEL_DIR ...]
+    torchrun --nproc_per_node W tests/jobs/model_load.py OUT.pt MODEL_DIR [MODEL_DIR ...] [--remote-code DIR]
 
 For every model directory (the tests pass the tied and the untied tiny model), every rank builds:
   * the policy (fp32; on tied models with a frozen vision tower and activation checkpointing, as the
@@ -22,8 +22,10 @@ For every model directory (the tests pass the tied and the untied tiny model), e
 Model directories after `--policy-and-lora` (the MoE and hybrid families) get the policy and LoRA checks
 only: the loader reads their experts from the layout their file holds (transposed, per expert) into
 transformers' layout, bit-identical to `from_pretrained`; `lora_targets` lists the adapted modules.
-Rank 0 saves {model name: {check: result}}; the checks that need every rank's view (buffers, logits) are
-combined over ranks first.
+With `--remote-code DIR` (a checkpoint shipping its own model and config classes through `auto_map`) it
+also builds the policy with `worker.actor.model.trust_remote_code` off and on and records which classes
+`build_policy` made. Rank 0 saves {model name: {check: result}}; the checks that need every rank's view
+(buffers, logits) are combined over ranks first.
 """
 
 from __future__ import annotations
@@ -237,11 +239,23 @@ def base_name_of(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+def check_remote_code(model_dir: str, world) -> dict:
+    """{trust_remote_code: (model class, config class)} of the policy `build_policy` makes from the config."""
+    classes = {}
+    for trust in (False, True):
+        model = ModelConfig(model_path=model_dir, trust_remote_code=trust)
+        policy = build_policy(ActorConfig(model=model, fsdp=FSDPConfig(param_dtype="float32")), world)
+        classes[trust] = (type(policy.hf).__name__, type(policy.hf.config).__name__)
+        del policy
+    return classes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("model_dirs", nargs="*")
     ap.add_argument("--policy-and-lora", nargs="*", default=[], metavar="MODEL_DIR")
+    ap.add_argument("--remote-code", help="a checkpoint with its own classes (auto_map)")
     args = ap.parse_args()
     from transformers import AutoProcessor
 
@@ -264,6 +278,8 @@ def main() -> None:
             out.update(check_offload(actor, world, inputs))
         out.update(check_lora(model_dir, actor, world, inputs))
         results[Path(model_dir).name] = out
+    if args.remote_code:
+        results["remote_code"] = check_remote_code(args.remote_code, world)
     if world.rank == 0:
         torch.save(results, args.out)
 

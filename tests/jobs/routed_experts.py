@@ -45,6 +45,8 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoProcessor
 
+    from spmd_grpo.data.prompts import processor_sizes
+
     world = init_distributed("cuda")
     processor = AutoProcessor.from_pretrained(args.model_dir)
     overrides = [f"worker.actor.model.model_path={args.model_dir}", "trainer.device=cuda", "trainer.seed=0",
@@ -52,8 +54,9 @@ def main() -> None:
                  "worker.rollout.enable_sleep_mode=false", "worker.actor.moe.routing_replay=rollout"]  # fmt: skip
     cfg = load_config(None, overrides)
     policy = build_policy(cfg.worker.actor, world)
+    sizes = processor_sizes(cfg.data, processor, cfg.worker.rollout.limit_videos)
     engine = RolloutEngine.from_config(
-        cfg, world, tie_word_embeddings=bool(policy.config.tie_word_embeddings)
+        cfg, world, tie_word_embeddings=bool(policy.config.tie_word_embeddings), sizes=sizes
     )
     eos = (processor.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
     sampling = SamplingConfig(

@@ -27,21 +27,22 @@ from pathlib import Path
 
 import torch
 
-from spmd_grpo import parallel as D
+from spmd_grpo.parallel.collectives import all_reduce_max, any_rank, destroy, init_distributed
+from spmd_grpo.parallel.signals import StopOnSignal, exit_promptly, note_phase
 
 log = logging.getLogger("stop_and_die")
 
 
-def main(out: Path, mode: str, stop: D.StopOnSignal) -> None:
-    world = D.init_distributed("cpu", timeout_s=3 if mode == "stuck" else 600)
+def main(out: Path, mode: str, stop: StopOnSignal) -> None:
+    world = init_distributed("cpu", timeout_s=3 if mode == "stuck" else 600)
     (out / f"rank{world.rank}.pid").write_text(str(os.getpid()))
     if mode == "busy":
         os.environ["LOCAL_WORLD_SIZE"] = "1"  # what building a vLLM CPU engine with TP 1 does to it
     for i in range(1_000_000):
-        D.note_phase(f"step {i}: work")
+        note_phase(f"step {i}: work")
         time.sleep(0.05)  # the step's work
         if mode == "stuck" and world.rank == 1 and i == 10:
-            D.note_phase(f"step {i}: stuck")
+            note_phase(f"step {i}: stuck")
             (out / "stuck_at").write_text(repr(time.time()))
             time.sleep(600)
         if mode == "busy" and world.rank == 0 and i > 5:
@@ -51,10 +52,10 @@ def main(out: Path, mode: str, stop: D.StopOnSignal) -> None:
         if mode == "raise" and world.rank == 1 and i == 10:
             (out / "raised_at").write_text(repr(time.time()))
             raise RuntimeError("rank 1 fails on purpose")
-        if D.any_rank(stop.signum is not None, world.device):  # the step boundary
-            code = 128 + int(D.all_reduce_max(torch.tensor([stop.signum or 0])).item())
+        if any_rank(stop.signum is not None, world.device):  # the step boundary
+            code = 128 + int(all_reduce_max(torch.tensor([stop.signum or 0])).item())
             log.warning("rank %d exits with code %d after iteration %d", world.rank, code, i)
-            D.destroy()
+            destroy()
             raise SystemExit(code)
         if i == 5:
             (out / f"rank{world.rank}.ready").write_text("")
@@ -66,5 +67,5 @@ if __name__ == "__main__":
         level=logging.INFO, format=f"[rank{rank}] %(created).3f %(levelname)s %(name)s: %(message)s"
     )
     out_dir, job_mode, grace = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-    listener = D.StopOnSignal(grace).install()
-    D.exit_promptly(lambda: main(out_dir, job_mode, listener))
+    listener = StopOnSignal(grace).install()
+    exit_promptly(lambda: main(out_dir, job_mode, listener))

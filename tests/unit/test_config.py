@@ -1,12 +1,10 @@
 """Config: strict keys and types, dotted overrides, cross-field rules, and the CLI's exit code 2."""
 
-import ast
 import dataclasses
 import os
 import subprocess
 import sys
 import time
-import typing
 from pathlib import Path
 
 import pytest
@@ -225,42 +223,6 @@ def test_derived_values_in_one_place():
     assert dapo.num_train_groups == 4 and dapo.total_steps(5) == 3
     off = load_config(None, [*BASE, "algorithm.filter_groups.train_batch_size=4"])
     assert off.num_train_groups == off.data.rollout_batch_size  # train_batch_size counts only with DAPO on
-
-
-def _attributes_read(tree: ast.AST, skip_functions: tuple[str, ...] = ()) -> set[str]:
-    """Names of every `x.name` in `tree`, outside functions whose name starts with one of `skip_functions`."""
-    out = set()
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.FunctionDef) and node.name.startswith(skip_functions):
-            continue
-        if isinstance(node, ast.Attribute):
-            out.add(node.attr)
-        out |= _attributes_read(node, skip_functions)
-    return out
-
-
-ONE_VALUE = {"AlgorithmConfig.adv_estimator"}
-"""Keys with a single allowed value, accepted so that verl's scripts (`algorithm.adv_estimator=grpo`) run."""
-
-
-def test_every_field_is_read_by_the_package():
-    """A config field nothing reads but its own validation is a setting that silently does nothing."""
-    read = set()
-    for path in (REPO / "spmd_grpo").rglob("*.py"):
-        skip = ("check", "_check", "require") if path.parent.name == "config" else ()
-        read |= _attributes_read(ast.parse(path.read_text()), skip)
-    unread = []
-
-    def walk(cls):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name])
-            elif f.name not in read and f"{cls.__name__}.{f.name}" not in ONE_VALUE:
-                unread.append(f"{cls.__name__}.{f.name}")
-
-    walk(Config)
-    assert not unread
 
 
 def _run_cli(tmp_path, argv, world_size):

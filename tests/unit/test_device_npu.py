@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spmd_grpo import parallel as D
+from spmd_grpo.parallel.collectives import init_distributed
+from spmd_grpo.parallel.devices import empty_cache, max_memory_allocated_gb, resolve_device_type, synchronize
 
 
 class FakeNpu(types.ModuleType):
@@ -75,20 +76,20 @@ def recorded_init(monkeypatch) -> list[dict]:
 
 
 def test_auto_picks_npu_when_torch_npu_sees_a_device(fake_npu):
-    assert D.resolve_device_type("auto") == "npu"
+    assert resolve_device_type("auto") == "npu"
     assert "is_available" in fake_npu.names()
 
 
 def test_auto_falls_back_when_torch_npu_sees_no_device(fake_npu):
     fake_npu.available = False
-    assert D.resolve_device_type("auto") == "cpu"
+    assert resolve_device_type("auto") == "cpu"
 
 
 def test_init_distributed_on_npu_uses_hccl_and_local_rank(fake_npu, recorded_init, monkeypatch):
     monkeypatch.setenv("RANK", "11")
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_RANK", "3")
-    world = D.init_distributed("npu", timeout_s=123)
+    world = init_distributed("npu", timeout_s=123)
 
     assert (world.device_type, world.backend) == ("npu", "cpu:gloo,npu:hccl")
     assert (world.rank, world.world_size, world.local_rank) == (11, 16, 3)
@@ -104,43 +105,43 @@ def test_auto_init_on_npu_machine(fake_npu, recorded_init, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "5")
-    world = D.init_distributed("auto")
+    world = init_distributed("auto")
     assert world.backend == recorded_init[0]["backend"] == "cpu:gloo,npu:hccl"
     assert ("set_device", (5,)) in fake_npu.calls
 
 
 def test_memory_helpers_go_to_torch_npu(fake_npu):
-    D.empty_cache("npu")
-    D.synchronize("npu")
-    assert D.max_memory_allocated_gb("npu") == 3.0
+    empty_cache("npu")
+    synchronize("npu")
+    assert max_memory_allocated_gb("npu") == 3.0
     assert fake_npu.names() == ["empty_cache", "synchronize", "max_memory_allocated"]
 
 
 def test_cpu_helpers_touch_no_device_module(fake_npu):
-    D.empty_cache("cpu")
-    D.synchronize("cpu")
-    D.max_memory_allocated_gb("cpu")
+    empty_cache("cpu")
+    synchronize("cpu")
+    max_memory_allocated_gb("cpu")
     assert fake_npu.calls == []
 
 
 def test_npu_requested_without_torch_npu_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # `import torch_npu` raises ImportError
     with pytest.raises(RuntimeError, match="trainer.device=npu but torch_npu cannot be imported"):
-        D.resolve_device_type("npu")
+        resolve_device_type("npu")
     # ... and auto quietly ignores the missing torch_npu
-    assert D.resolve_device_type("auto") in ("cuda", "cpu")
+    assert resolve_device_type("auto") in ("cuda", "cpu")
 
 
 def test_npu_requested_without_a_visible_npu_is_a_clear_error(fake_npu):
     fake_npu.available = False
     with pytest.raises(RuntimeError, match="torch.npu.is_available\\(\\) is False"):
-        D.resolve_device_type("npu")
+        resolve_device_type("npu")
 
 
 def test_cuda_requested_without_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="trainer.device=cuda but torch.cuda.is_available\\(\\) is False"):
-        D.resolve_device_type("cuda")
+        resolve_device_type("cuda")
 
 
 # ---------------------------------------------------------------------- dtype rule (models/build.py)
@@ -187,7 +188,8 @@ def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
 # ---------------------------------------------------------------------- weight push fallback (rollout/engine.py)
 def test_weight_push_falls_back_to_load_weights_without_reload_weights():
     """vllm-ascend's worker has no `reload_weights`: the push goes straight into the model's load_weights."""
-    from spmd_grpo.rollout.engine import EngineStats, RolloutEngine
+    from spmd_grpo.config.workers import RolloutConfig
+    from spmd_grpo.rollout.engine import RolloutEngine
 
     received, resets = [], []
     model = SimpleNamespace(load_weights=lambda weights: received.extend(weights))
@@ -200,14 +202,14 @@ def test_weight_push_falls_back_to_load_weights_without_reload_weights():
         llm_engine=SimpleNamespace(
             model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)),
             reset_encoder_cache=lambda: resets.append("encoder"),
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen2_5_vl")),
         ),
         collective_rpc=no_rpc,
         reset_prefix_cache=lambda: resets.append("prefix"),
         reset_mm_cache=lambda: resets.append("mm"),
     )
-    engine = RolloutEngine.__new__(RolloutEngine)  # skip building a real vLLM engine
-    engine.llm, engine.stats = llm, EngineStats()
-    engine.world = SimpleNamespace(device_type="npu")
+    world = SimpleNamespace(device_type="npu")
+    engine = RolloutEngine(llm, RolloutConfig(), world, dtype=torch.float32, tie_word_embeddings=False)
 
     weights = [("model.embed_tokens.weight", torch.ones(2, 3)), ("lm_head.weight", torch.zeros(2, 3))]
     engine.load_weights(iter(weights), version=1)

@@ -10,7 +10,7 @@ from transformers import Qwen2VLImageProcessor
 
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.data.images import resize_image
-from spmd_grpo.data.prompts import _image_processor_bounds
+from spmd_grpo.data.prompts import image_factor
 from spmd_grpo.models.families import FAMILIES
 
 SIZES = [(56, 56), (57, 91), (300, 17 * 28), (1000, 700), (29, 1200), (640, 480)]
@@ -31,7 +31,7 @@ def _processed_size(processor: Qwen2VLImageProcessor, image: Image.Image) -> tup
 @pytest.mark.parametrize("family", FAMILIES.values(), ids=lambda f: f.name)
 def test_the_processor_leaves_our_resize_as_it_is(family):
     processor = _processor(family)
-    *_, factor = _image_processor_bounds(SimpleNamespace(image_processor=processor))
+    factor = image_factor(SimpleNamespace(image_processor=processor))
     assert factor == family.image_factor
     cfg = DataConfig(min_pixels=3136, max_pixels=262144)
     for size in SIZES:

@@ -1,6 +1,7 @@
 """Which parts may import which: the package is a stack of subpackages, each importing only from the ones
 below it; inside a subpackage the modules import each other without cycles; the RL math stays free of
-collectives; nothing outside tests/ imports from tests/. The same stack is drawn in docs/architecture.md."""
+collectives; nothing outside tests/ imports from tests/; every name is imported from the module that defines
+it, and a subpackage's `__init__` is only its module map. The same stack is drawn in docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _imports(path: Path) -> set[str]:
                 continue
             if module:
                 out.add(module)
-            else:  # `from spmd_grpo import parallel` (but not `lazy_exports`, a function)
+            else:  # `from spmd_grpo import parallel` (but not `__version__`)
                 out.update(
                     a.name
                     for a in node.names
@@ -114,7 +115,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycles_inside_a_part():
-    """A package's `__init__` re-exports its modules, so it is left out: the modules must not need it."""
+    """A package's `__init__` is left out: the modules must not need it."""
     graph = {
         name: {t for t in _imports(path) if _part(t) == _part(name) and t in SOURCES and t != _part(name)}
         for name, path in SOURCES.items()
@@ -163,34 +164,37 @@ def test_nothing_outside_tests_imports_tests(folder):
     assert not hits, hits
 
 
-def _defined(path: Path) -> set[str]:
-    names = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.FunctionDef | ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-    return names
-
-
-def test_every_subpackage_says_what_it_owns_and_exports_names_its_modules_define():
+def test_every_subpackage_init_is_its_module_map():
+    """Each subpackage's `__init__` is a docstring naming every module of the package, and no code: nothing
+    is re-exported, so a reader (and `grep`) finds each name where it is defined."""
     for init in PACKAGE.glob("*/__init__.py"):
         tree = ast.parse(init.read_text())
         where = init.relative_to(REPO)
-        assert ast.get_docstring(tree), f"{where} has no docstring"
-        if init.parent.name in ("tools", "config"):  # run with -m; imported module by module
-            continue
-        exports = [n for n in ast.walk(tree) if isinstance(n, ast.Dict)]
-        assert len(exports) == 1, f"{where}: expected one lazy_exports table"
-        for module, names in zip(exports[0].keys, exports[0].values, strict=True):
-            missing = {n.value for n in names.elts} - _defined(init.parent / f"{module.value}.py")
-            assert not missing, f"{where}: {module.value}.py does not define {missing}"
-        for module in init.parent.glob("*.py"):
-            public = {n for n in _defined(module) if not n.startswith("_")} - {"log", "logger", "main"}
-            assert (
-                module.stem == "__init__"
-                or not public
-                or any(k.value == module.stem for k in exports[0].keys)
-            ), f"{where} does not export {module.name}"
+        doc = ast.get_docstring(tree)
+        assert doc, f"{where} has no docstring"
+        unmapped = [m.stem for m in init.parent.glob("*.py") if m.stem != "__init__" and m.stem not in doc]
+        assert not unmapped, f"{where}: the docstring does not name {unmapped}"
+        assert len(tree.body) == 1, f"{where}: code after the docstring (line {tree.body[1].lineno})"
+
+
+def _packages() -> set[str]:
+    return {"spmd_grpo", *(f"spmd_grpo.{p.parent.name}" for p in PACKAGE.glob("*/__init__.py"))}
+
+
+@pytest.mark.parametrize("folder", ["spmd_grpo", "tests", "benchmarks"])
+def test_names_are_imported_from_the_module_that_defines_them(folder):
+    """`from spmd_grpo.models.build import build_policy`, never `from spmd_grpo.models import build_policy`
+    (importing a module from its package, `from spmd_grpo.models import build`, is fine)."""
+    packages, through_a_package = _packages(), []
+    for path in (REPO / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module in packages:
+                folder_of = REPO / node.module.replace(".", "/")
+                through_a_package += [
+                    f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name != "__version__"
+                    and not (folder_of / a.name).is_dir()
+                    and not (folder_of / f"{a.name}.py").exists()
+                ]
+    assert not through_a_package, through_a_package

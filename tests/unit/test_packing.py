@@ -317,16 +317,16 @@ def test_packed_equals_padded_for_video_and_image_video_prompts(tiny):
     from tests.jobs.common import chat_text, encode_with_videos, make_video, video_setup
 
     processor, policy = tiny
-    rules, kwargs = video_setup(processor)
+    sizes = video_setup(processor)
     samples = []
     for i, (num_images, num_videos, n) in enumerate([(1, 1, 4), (0, 1, 7), (0, 0, 3)]):
         images = [Image.new("RGB", (56, 84), (90, 30 * i, 20))] * num_images
-        videos = [make_video([(60 * f, 20 * i, 100) for f in range(4)], rules)] * num_videos
+        videos = [make_video([(60 * f, 20 * i, 100) for f in range(4)], sizes.video)] * num_videos
         sample = Sample(Prompt(i, [], images=images, videos=videos), 0, [], [], [])
-        attach_video_inputs([sample], processor, kwargs)
+        attach_video_inputs([sample], processor, sizes)
         text = f"Colors? {i}"
         if videos:
-            enc = encode_with_videos(processor, images, videos, text, kwargs)
+            enc = encode_with_videos(processor, images, videos, text, sizes)
         else:
             chat = chat_text(processor, num_images, text)
             enc = processor(text=[chat], images=images or None, return_tensors="pt")

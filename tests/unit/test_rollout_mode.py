@@ -37,6 +37,7 @@ def fake_engine(events: list, sleep_level: int) -> RolloutEngine:
         llm_engine=SimpleNamespace(
             model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)),
             reset_encoder_cache=lambda: None,
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen2_5_vl")),
         ),
         collective_rpc=collective_rpc,
         reset_prefix_cache=lambda: None,
@@ -44,14 +45,9 @@ def fake_engine(events: list, sleep_level: int) -> RolloutEngine:
         sleep=lambda level: events.append(("sleep", level)),
         wake_up=lambda tags: events.append(("wake", tuple(tags))),
     )
-    engine = RolloutEngine.__new__(RolloutEngine)  # skip building a real vLLM engine
-    engine.llm, engine.stats = llm, engine_mod.EngineStats(synced_version=0)
-    engine.cfg = RolloutConfig(sleep_level=sleep_level, weight_sync_bucket_mb=1)
-    engine.world = SimpleNamespace(device_type="cuda", device="cuda:0")  # never touched: faked moves
-    engine.dtype, engine.tie_word_embeddings = torch.float32, False
-    engine.weight_layout = lambda name, tensor: [(name, tensor)]
-    engine.sleep_enabled, engine.asleep = True, False
-    return engine
+    cfg = RolloutConfig(enable_sleep_mode=True, sleep_level=sleep_level, weight_sync_bucket_mb=1)
+    world = SimpleNamespace(device_type="cuda", device="cuda:0")  # never touched: faked moves
+    return RolloutEngine(llm, cfg, world, dtype=torch.float32, tie_word_embeddings=False)
 
 
 @pytest.fixture
@@ -96,12 +92,12 @@ def test_order_and_full_push_after_level_2_sleep(events):
 
 def test_level_1_keeps_weights_and_skips_frozen(events):
     engine, policy = fake_engine(events, sleep_level=1), Policy()
-    with engine.rollout_mode(policy, 1):
-        pass
-    with engine.rollout_mode(policy, 1):  # level 1 kept version 1: no push at all
-        pass
+    for version in (0, 1, 1):  # level 1 kept version 1: no push the second time
+        with engine.rollout_mode(policy, version):
+            pass
     pushes = [e for e in events if e[0] == "push"]
-    assert pushes == [("push", TRAINABLE)]  # the engine held version 0: frozen weights never change
+    # A new engine holds none of the policy's weights; once it holds a version, frozen ones never change.
+    assert pushes == [("push", ALL), ("push", TRAINABLE)]
 
 
 def test_sleeps_and_restores_when_generation_fails(events):

@@ -58,13 +58,16 @@ def test_pixel_values_after_rebalancing_follow_the_prompt_not_its_uid():
     """After rebalancing a rank can hold uid 3 of two generation batches: two prompts, two images."""
     from transformers import Qwen2VLImageProcessor
 
+    from spmd_grpo.config.schema import DataConfig
+    from spmd_grpo.data.prompts import processor_sizes
     from spmd_grpo.rollout.generate import attach_pixel_values
 
     rng = np.random.default_rng(1)
     samples = synthetic_group(3, 0, 2, [(56, 28)], rng, pixel_values=False)
     samples += synthetic_group(3, 1, 2, [(28, 56)], rng, pixel_values=False)
-    processor = Qwen2VLImageProcessor(size={"shortest_edge": 784, "longest_edge": 4 * 784})
-    attach_pixel_values(samples, processor)
+    processor = Qwen2VLImageProcessor()
+    sizes = processor_sizes(DataConfig(min_pixels=784, max_pixels=4 * 784), processor, limit_videos=0)
+    attach_pixel_values(samples, processor, sizes)
     assert samples[0].pixel_values is samples[1].pixel_values  # once per prompt
     assert samples[2].pixel_values is samples[3].pixel_values
     assert samples[0].image_grid_thw.tolist() == [[1, 2, 4]] and samples[2].image_grid_thw.tolist() == [

@@ -66,16 +66,16 @@ def video_samples(processor) -> list[Sample]:
     from spmd_grpo.rollout.generate import attach_video_inputs
     from tests.jobs.common import chat_text, encode_with_videos, make_video, video_setup
 
-    rules, kwargs = video_setup(processor)
+    sizes = video_setup(processor)
     samples = []
     for g, (num_images, num_videos, lengths) in enumerate(
         [(0, 1, [4, 7, 2]), (1, 1, [3, 5]), (0, 0, [6, 2])]
     ):
         images = [Image.new("RGB", (56, 84), (90, 30 * g, 20))] * num_images
-        videos = [make_video([(60 * f, 20 * g, 100) for f in range(4)], rules)] * num_videos
+        videos = [make_video([(60 * f, 20 * g, 100) for f in range(4)], sizes.video)] * num_videos
         prompt = Prompt(g, [], images=images, videos=videos)
         if videos:
-            ids = encode_with_videos(processor, images, videos, f"Colors? {g}", kwargs)["input_ids"][
+            ids = encode_with_videos(processor, images, videos, f"Colors? {g}", sizes)["input_ids"][
                 0
             ].tolist()
         else:
@@ -84,7 +84,7 @@ def video_samples(processor) -> list[Sample]:
             samples.append(
                 Sample(prompt, i, list(ids), [(7 * g + 3 * i + j) % 300 + 20 for j in range(n)], [])
             )
-    attach_video_inputs(samples, processor, kwargs)
+    attach_video_inputs(samples, processor, sizes)
     return samples
 
 

@@ -17,7 +17,7 @@ from qwen_vl_utils import vision_process as q
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.data.dataset import load_dataset
 from spmd_grpo.data.images import BadRow
-from spmd_grpo.data.prompts import processor_kwargs, with_video_metadata
+from spmd_grpo.data.prompts import processor_sizes, with_video_metadata
 from spmd_grpo.data.synthetic import write_parquet
 from spmd_grpo.data.videos import VideoRules, decode_video, encode_video
 from tests.conftest import tiny_model
@@ -76,9 +76,9 @@ def test_bad_videos_raise_bad_row(entry, reason):
 def test_the_processors_own_video_resize_is_the_identity(family):
     processor = transformers.AutoProcessor.from_pretrained(tiny_model(family=family))
     factor = processor.image_processor.patch_size * processor.image_processor.merge_size
-    cfg = DataConfig(**SMALL)
-    rules = VideoRules.of(cfg, factor)
-    video = decode_video(_video([RED, GREEN, BLUE, RED], size=(90, 130)), None, rules)
+    sizes = processor_sizes(DataConfig(**SMALL), processor, limit_videos=1)
+    assert sizes.factor == factor
+    video = decode_video(_video([RED, GREEN, BLUE, RED], size=(90, 130)), None, sizes.video)
     t, h, w, _ = video.frames.shape
     patch = factor // 2
 
@@ -88,7 +88,7 @@ def test_the_processors_own_video_resize_is_the_identity(family):
         enc = processor(text=[text], videos=[video.frames], return_tensors="pt", **call)
         return enc["video_grid_thw"][0].tolist()
 
-    assert grid(processor_kwargs(cfg, rules)) == [t // 2, h // patch, w // patch]
+    assert grid(sizes.processor_kwargs()) == [t // 2, h // patch, w // patch]
     # Negative control: with the processor's own video bounds the frames are resized again.
     assert grid({}) != [t // 2, h // patch, w // patch]
 
@@ -158,3 +158,42 @@ def test_a_mixed_row_set_loads_with_bad_videos_named(processor, tmp_path, caplog
     assert [both.prompt_token_ids.count(i) for i in ids] == [1, 1]
     # num_prompt_tokens counts the processor's expansion: 2 temporal patches x (84/28 x 56/28) tokens
     assert video_row.num_prompt_tokens == len(video_row.prompt_token_ids) - 1 + 2 * 3 * 2
+
+
+def test_the_loader_the_trainer_and_vllm_get_one_set_of_sizes(processor, tmp_path):
+    """`processor_sizes` is made once and handed down: the loader resizes and samples with it, the trainer's
+    processor call (`attach_video_inputs`) then leaves the loader's image and frames as they are, and its
+    expansion is the prompt length the loader counted; vLLM gets `processor_kwargs()` (read back from real
+    engines in tests/engine/test_engine_parity.py)."""
+    from spmd_grpo.data.samples import Prompt, Sample
+    from spmd_grpo.rollout.generate import attach_video_inputs
+
+    row = {
+        "problem": "<image>Is this<video>the same?",
+        "answer": "no",
+        "images": [Image.new("RGB", (150, 90))],
+    }
+    path = write_parquet(
+        [row | {"videos": [_video([RED, GREEN, BLUE, RED], size=(90, 130))]}], tmp_path / "p.parquet"
+    )
+    # images above the tiny processor's own bound (262144 pixels): its default call would shrink them
+    cfg = DataConfig(
+        train_files=str(path), min_pixels=270000, max_pixels=320000, max_prompt_length=1024, **SMALL
+    )
+    sizes = processor_sizes(cfg, processor, limit_videos=1)
+    (example,) = load_dataset(cfg, processor, limit_videos=1, sizes=sizes)
+    assert example.source.sizes is sizes
+    images, videos = example.images, example.videos
+    sample = Sample(Prompt(0, example.prompt_token_ids, images=images, videos=videos), 0, [], [], [])
+    attach_video_inputs([sample], processor, sizes)
+    patch = sizes.factor // 2
+    ((_, h, w),) = sample.image_grid_thw.tolist()
+    assert (w * patch, h * patch) == images[0].size and 270000 <= images[0].width * images[0].height <= 320000
+    t, fh, fw, _ = videos[0].frames.shape
+    assert sample.video_inputs["video_grid_thw"].tolist() == [[t // 2, fh // patch, fw // patch]]
+    merged = (h * w + t // 2 * (fh // patch) * (fw // patch)) // 4  # tokens after the 2 x 2 merge
+    assert example.num_prompt_tokens == len(example.prompt_token_ids) - 2 + merged
+    # The control: a call with other image bounds (the processor's own) resizes the loader's image again.
+    other = Sample(sample.prompt, 0, [], [], [])
+    attach_video_inputs([other], processor, replace(sizes, min_pixels=3136, max_pixels=262144))
+    assert other.image_grid_thw.tolist() != sample.image_grid_thw.tolist()
