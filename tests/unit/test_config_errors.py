@@ -48,6 +48,14 @@ def files(tmp_path_factory) -> Path:
     table = pa.table({"problem": ["<image>1+1?"] * NUM_TRAIN_ROWS, "answer": ["2"] * NUM_TRAIN_ROWS})
     (root / "llava").mkdir()
     (root / "llava" / "config.json").write_text('{"model_type": "llava"}')
+    for name, config in [  # the new families' config.json as the checks read them (no weights needed)
+        ("qwen3_5", '{"model_type": "qwen3_5"}'),
+        ("qwen3_vl_moe", '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": true}}'),
+        ("moe_no_renorm", '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": false}}'),
+    ]:
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(config)
+        (root / name / "tokenizer.json").write_text("{}")
     pq.write_table(table, root / "train.parquet")
     (root / "not_parquet.parquet").write_bytes(b"not a parquet file")
     (root / "reward.py").write_text(
@@ -124,6 +132,15 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["worker.reward.reward_function=ROOT/syntax_error.py:fn"], "worker.reward.reward_function"),
     (["trainer.resume=ROOT/run/checkpoints/global_step_7"], "trainer.resume"),
     (["worker.actor.model.model_path=ROOT/no_tokenizer"], "worker.actor.model.model_path"),
+    # the new families: vLLM CPU serves Qwen3.5 in bf16 only; no shared prompts for hybrid or MoE models;
+    # an MoE checkpoint whose top-k normalisation vLLM would apply differently from transformers
+    (["worker.actor.model.model_path=ROOT/qwen3_5"], "worker.rollout.dtype"),
+    (
+        ["worker.actor.model.model_path=ROOT/qwen3_5", f"{R}dtype=bfloat16", f"{A}shared_prompt=true"],
+        f"{A}shared_prompt=true: Qwen3.5 has linear-attention layers",
+    ),
+    (["worker.actor.model.model_path=ROOT/qwen3_vl_moe", f"{A}shared_prompt=true"], f"{A}shared_prompt=true"),
+    (["worker.actor.model.model_path=ROOT/moe_no_renorm"], "norm_topk_prob"),
     # the installed vLLM build (here the CPU one) cannot return routed experts
     ([f"{A}moe.routing_replay=rollout"], f"{A}moe.routing_replay=rollout needs vLLM's routed experts"),
     # the run directory: a file in the way of it or of a parent (no traceback, before any process group)
@@ -205,6 +222,10 @@ VALUE_ROWS = [
     ([f"{A}clip_ratio_dual=1.0"], f"{A}clip_ratio_dual"),
     ([f"{A}moe.routing_replay=vllm"], f"{A}moe.routing_replay"),
     ([f"{A}moe.router_aux_loss_coef=-0.01"], f"{A}moe.router_aux_loss_coef"),
+    ([f"{A}shared_prompt=sometimes"], f"{A}shared_prompt"),
+    ([f"{A}shared_prompt=true", f"{A}padding_free=false"], f"{A}shared_prompt=true needs padding_free"),
+    ([f"{A}reuse_image_features=true", f"{R}limit_videos=1"], f"{A}reuse_image_features=true"),
+    ([f"{A}old_logprobs_from_update=true", f"{A}ppo_epochs=2"], f"{A}old_logprobs_from_update=true"),
     ([f"{A}ppo_epochs=0"], f"{A}ppo_epochs"),
     ([f"{A}global_batch_size=6"], f"{A}global_batch_size"),
     ([f"{A}micro_batch_size_per_device_for_update=3"], f"{A}micro_batch_size_per_device_for_update"),
