@@ -31,6 +31,7 @@ from spmd_grpo.actor.update import mini_batch_backward
 from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy
+from spmd_grpo.models.families import family_of
 from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from tests.jobs.common import encode, run_job
 
@@ -235,7 +236,9 @@ def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> 
     encode_images(frozen, samples, reuse)
     assert all(s.image_features is not None for s in samples)
     out[("reuse",)] = gradient(frozen, samples, reuse, world)
-    out.update(shared_prompt_cases(policy, processor, spec, world))
+    family = family_of(policy.config)
+    if not (family.moe or family.linear_attention):  # families that never share prompts (models/build.py)
+        out.update(shared_prompt_cases(policy, processor, spec, world))
     return out
 
 
