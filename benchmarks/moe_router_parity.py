@@ -3,11 +3,12 @@ sequences fed back teacher-forced (prompt_logprobs), a float64 transformers refe
 models the router's top-k agreement per token and layer between the two.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/moe_router_parity.py [--family F] [--dtype float32]
-        [--norm-topk-prob-false] [--reload]
+        [--norm-topk-prob-false] [--reload [N]] [--no-repack]
 
-`--reload` first pushes the checkpoint's own tensors back into the running engine with
+`--reload` first pushes the checkpoint's own tensors back into the running engine (N times, default 1) with
 `reload_weights(is_checkpoint_format=True)`, the trainer's weight-sync call: the same numbers, so any change
-in the comparison is vLLM's reload path, not the weights.
+in the comparison is vLLM's reload path, not the weights. The engine gets the trainer's fused-MoE re-pack
+(`spmd_grpo.rollout.moe_reload`) unless `--no-repack` (vLLM's reload as it is).
 
 `--norm-topk-prob-false` serves a copy whose config.json says `text_config.norm_topk_prob: false` (which the
 trainer refuses): transformers' router renormalises the top-k anyway, vLLM does not, and the difference
@@ -36,6 +37,7 @@ import torch
 from PIL import Image
 
 from spmd_grpo.models.families import family_of
+from spmd_grpo.rollout.moe_reload import repack_on_worker
 from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220)]
@@ -95,7 +97,8 @@ def main() -> None:
     ap.add_argument("--family", default="qwen3_vl_moe")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--norm-topk-prob-false", action="store_true")
-    ap.add_argument("--reload", action="store_true")
+    ap.add_argument("--reload", type=int, nargs="?", const=1, default=0)
+    ap.add_argument("--no-repack", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM CPU takes most of the host
@@ -127,10 +130,13 @@ def main() -> None:
         seed=0,
         mm_processor_kwargs={"size": {"shortest_edge": 3136, "longest_edge": 262144}},
     )
+    if not args.no_repack:
+        llm.collective_rpc(repack_on_worker)
     if args.reload:
         from safetensors.torch import load_file
 
         tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    for _ in range(args.reload):
         llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(tensors.items()), "is_checkpoint_format": True}
         )
@@ -185,7 +191,11 @@ def main() -> None:
             res["vllm_vs_fp64"] = max(res["vllm_vs_fp64"], (theirs - exact).abs().max().item())
         if family.moe:
             route_agreement(list(hf_routes), list(vllm_routes), top_k, res)
-    flag = {"norm_topk_prob": not args.norm_topk_prob_false, "reload": args.reload}
+    flag = {
+        "norm_topk_prob": not args.norm_topk_prob_false,
+        "reload": args.reload,
+        "repack": not args.no_repack,
+    }
     print("RESULT", json.dumps({"family": args.family, "dtype": args.dtype, **flag, **res}))
 
 

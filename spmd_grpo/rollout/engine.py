@@ -34,6 +34,9 @@ cache miss" without the reset). A push is skipped when the engine already holds 
 parameters that do not require grad (a frozen vision tower) are sent only when the engine holds no weights
 of the policy at all: they never change.
 
+vLLM CPU (0.32) does not re-pack its unquantized fused-MoE experts when `reload_weights` reloads them:
+`from_config` wraps those layers once, so that every push packs what it loads (`moe_reload.py`).
+
 LoRA: `worker.rollout.lora_sync` merged pushes base + scale * B A (weight_sync.py); adapter pushes the base
 once and then only the adapters under a new LoRA id each time (lora_sync.py).
 
@@ -67,6 +70,7 @@ from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import World
 from spmd_grpo.parallel.devices import empty_cache, memory_line, set_expandable_segments
 from spmd_grpo.rollout.lora_sync import AdapterSync, vllm_lora_kwargs
+from spmd_grpo.rollout.moe_reload import repack_on_worker
 from spmd_grpo.rollout.vllm_args import (
     host_side_image_normalisation,
     llm_kwargs,
@@ -156,6 +160,9 @@ class RolloutEngine:
             **(vllm_lora_kwargs(adapter_lora) if adapter_lora else {}),
             **routes,
         )
+        if world.device_type == "cpu":
+            # vLLM CPU's fused-MoE layers must re-pack their experts at every push (moe_reload.py)
+            llm.collective_rpc(repack_on_worker)
         return cls(
             llm,
             rollout,

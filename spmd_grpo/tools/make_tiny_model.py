@@ -11,7 +11,7 @@ Deterministic for a seed (same bytes for the same seed and options). `--family` 
 Constraints from vLLM's CPU backend: its attention supports only some head sizes (32, 64, 80, ...), so
 head_dim is 32 or 64, and mrope_section must sum to the rotating dims / 2 (head_dim / 2; Qwen3.5 rotates a
 quarter). MoE families: every layer sparse, `num_experts` (8) experts, top `num_experts_per_tok` (2),
-renormalised; the expert width (96) is a multiple of 32 and makes no expert tensor square, and the file
+renormalised; the expert width (96) makes no expert tensor square, and the file
 holds the published expert layout (`save_model`). Qwen3.5 families: linear-attention and full-attention
 layers alternate, and the Gated DeltaNet key/value head dim is 128, the only one vLLM's CPU kernel takes
 (which also runs only in bf16: serve these with `dtype=bfloat16`).
@@ -89,8 +89,7 @@ class TinyModelSpec:
     head_logit_std: float | None = None  # None: the head as HF's init draws it (initializer_range)
     # Mixture-of-experts families (every layer sparse). The expert MLP width differs from hidden_size and
     # hidden_size / 2 so that no expert tensor is square: a transposed expert then fails on shape instead of
-    # loading silently. A multiple of 32: vLLM's CPU experts pad the width to 32 after the first load, and
-    # a weight reload (every push) of an unpadded width then fails on shape.
+    # loading silently.
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 96
@@ -139,8 +138,6 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     family = family_for_type(spec.family, "TinyModelSpec.family")
     if spec.head_dim not in (32, 64):
         raise ValueError(f"head_dim {spec.head_dim} not supported by vLLM's CPU attention: use 32 or 64")
-    if family.moe is not None and spec.moe_intermediate_size % 32:
-        raise ValueError("moe_intermediate_size must be a multiple of 32 (vLLM CPU pads experts to 32)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -35,17 +35,12 @@ CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qw
     ("qwen2_5_vl", 1, True, "adapter"),
     # The MoE and hybrid families: Qwen3.5 in bf16, the only dtype of vLLM CPU's linear-attention kernel;
     # Qwen3-VL-MoE in fp32 (transposed fused experts on the way to vLLM) and Qwen3.5-MoE in bf16 (hybrid
-    # layers, shared expert, per-expert tensors), which fail today (`MOE_PUSH`).
+    # layers, shared expert, per-expert tensors); their pushes rely on the engine's re-pack of vLLM CPU's
+    # fused experts (rollout/moe_reload.py): without it they differ by 6e-2 and more.
     ("qwen3_5", 1, False, ""),
     ("qwen3_vl_moe", 1, False, ""),
     ("qwen3_5_moe", 1, False, ""),
 ]
-MOE_PUSH = pytest.mark.xfail(
-    strict=True,
-    reason="vLLM CPU's reload_weights of fused-MoE layers: pushing a file-loaded engine the checkpoint's own "
-    "tensors moves fp32 Qwen3-VL-MoE from 4.8e-7 to 6.0e-2 (benchmarks/moe_router_parity.py --reload); "
-    "here 6.1e-2 at the first push, 4.2e-1 after an update; see docs/models.md",
-)
 BF16 = {"qwen3_5", "qwen3_5_moe"}
 """Families whose rollout runs in bf16 on the CPU; their bound is the one the dense families meet in bf16
 (tests/gpu: mean |vLLM - trainer| per token < 0.05 and 5x below the stale weights' mean)."""
@@ -55,7 +50,7 @@ VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1,
 
 @pytest.mark.parametrize(
     "family, tp, tied, lora",
-    [pytest.param(*c, marks=[MOE_PUSH] if c[0] in ("qwen3_vl_moe", "qwen3_5_moe") else []) for c in CASES],
+    CASES,
     ids=[f"{f}-tp{tp}-{'tied' if t else 'untied'}{f'-lora-{m}' if m else ''}" for f, tp, t, m in CASES],
 )
 def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
