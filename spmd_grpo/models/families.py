@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -286,20 +286,12 @@ QWEN3_VL = Family(
     deepstack=True,
     published=QWEN3_VL_ROWS,
 )
-QWEN3_VL_MOE = Family(
-    video_timestamps=True,
+QWEN3_VL_MOE = replace(  # Qwen3-VL with a sparse MLP in every decoder layer
+    QWEN3_VL,
     name="Qwen3-VL-MoE",
     model_type="qwen3_vl_moe",
     model_class="Qwen3VLMoeForConditionalGeneration",
     config_class="Qwen3VLMoeConfig",
-    processor_class="Qwen3VLProcessor",
-    video_processor_class="Qwen3VLVideoProcessor",
-    vision_layout=qwen3_vl_vision,
-    patch_size=16,
-    legacy_weight_names=False,
-    explicit_head_dim=True,
-    mrope_interleaved=True,
-    deepstack=True,
     moe=MoE(
         block_class="Qwen3VLMoeTextSparseMoeBlock",
         experts_class="Qwen3VLMoeTextExperts",
@@ -325,20 +317,12 @@ QWEN3_5 = Family(
     linear_attention=LinearAttention(module_class="Qwen3_5GatedDeltaNet"),
     published=QWEN3_5_ROWS,
 )
-QWEN3_5_MOE = Family(
-    video_timestamps=True,
+QWEN3_5_MOE = replace(  # Qwen3.5 with routed experts and a shared expert in every decoder layer
+    QWEN3_5,
     name="Qwen3.5-MoE",
     model_type="qwen3_5_moe",
     model_class="Qwen3_5MoeForConditionalGeneration",
     config_class="Qwen3_5MoeConfig",
-    processor_class="Qwen3VLProcessor",
-    video_processor_class="Qwen3VLVideoProcessor",
-    vision_layout=qwen3_5_vision,
-    patch_size=16,
-    legacy_weight_names=False,
-    explicit_head_dim=True,
-    mrope_interleaved=True,
-    partial_rotary_factor=0.25,
     linear_attention=LinearAttention(module_class="Qwen3_5MoeGatedDeltaNet"),
     moe=MoE(
         block_class="Qwen3_5MoeSparseMoeBlock",
