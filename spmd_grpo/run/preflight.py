@@ -127,6 +127,8 @@ def check_family(cfg: Config) -> None:
     config = Path(model_path) / "config.json"
     error = family.checkpoint_config_error(json.loads(config.read_text())) if config.is_file() else None
     require(not error, f"worker.actor.model.model_path={model_path!r}: {config}: {error}")
+    if family.moe is not None and config.is_file():
+        check_expert_count(model_path, json.loads(config.read_text()))
     from spmd_grpo.models.build import resolve_dtype
     from spmd_grpo.parallel.devices import resolve_device_type
 
@@ -134,6 +136,42 @@ def check_family(cfg: Config) -> None:
     dtype = str(resolve_dtype(cfg.worker.rollout.dtype, device_type)).removeprefix("torch.")
     error = family.rollout_dtype_error(dtype, device_type)
     require(not error, f"worker.rollout.dtype={cfg.worker.rollout.dtype}: {error}; set bfloat16")
+
+
+def check_expert_count(model_path: str, config: dict) -> None:
+    """The experts an MoE checkpoint's first expert tensor holds (fused [E, ...] or one tensor per expert) are
+    the number its config.json names: read from the safetensors headers, before anything is built (a
+    mismatch otherwise fails inside the sharded load, naming no file)."""
+    import re
+
+    from safetensors import safe_open
+
+    text = config.get("text_config", config)
+    expected = text.get("num_experts", text.get("num_local_experts"))
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if expected is None or not files:
+        return
+    per_expert = re.compile(r"(.*\.experts)\.(\d+)\.")
+    found: dict[str, set[int]] = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+                if key.endswith("experts.gate_up_proj"):
+                    count = f.get_slice(key).get_shape()[0]
+                    require(
+                        count == expected,
+                        f"worker.actor.model.model_path={model_path!r}: {file.name}: {key} holds {count} experts, "
+                        f"config.json names {expected} (text_config.num_experts)",
+                    )
+                    return
+                if match := per_expert.match(key):
+                    found.setdefault(match.group(1), set()).add(int(match.group(2)))
+    for layer, experts in sorted(found.items())[:1]:
+        require(
+            len(experts) == expected,
+            f"worker.actor.model.model_path={model_path!r}: {layer} holds {len(experts)} experts in the "
+            f"safetensors files, config.json names {expected} (text_config.num_experts)",
+        )
 
 
 def check_lora_targets(cfg: Config) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from spmd_grpo import train
 from spmd_grpo.config.checks import ConfigError
@@ -56,6 +58,13 @@ def files(tmp_path_factory) -> Path:
         (root / name).mkdir()
         (root / name / "config.json").write_text(config)
         (root / name / "tokenizer.json").write_text("{}")
+    (root / "moe_8_experts").mkdir()  # a checkpoint whose fused experts hold 8 where its config says 4
+    (root / "moe_8_experts" / "config.json").write_text(
+        '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": true, "num_experts": 4}}'
+    )
+    (root / "moe_8_experts" / "tokenizer.json").write_text("{}")
+    fused = {"model.language_model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 4, 6)}
+    save_file(fused, root / "moe_8_experts" / "model.safetensors")
     pq.write_table(table, root / "train.parquet")
     (root / "not_parquet.parquet").write_bytes(b"not a parquet file")
     (root / "reward.py").write_text(
@@ -141,6 +150,10 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     ),
     (["worker.actor.model.model_path=ROOT/qwen3_vl_moe", f"{A}shared_prompt=true"], f"{A}shared_prompt=true"),
     (["worker.actor.model.model_path=ROOT/moe_no_renorm"], "norm_topk_prob"),
+    (
+        ["worker.actor.model.model_path=ROOT/moe_8_experts"],
+        "gate_up_proj holds 8 experts, config.json names 4",
+    ),
     # the installed vLLM build (here the CPU one) cannot return routed experts
     ([f"{A}moe.routing_replay=rollout"], f"{A}moe.routing_replay=rollout needs vLLM's routed experts"),
     # the run directory: a file in the way of it or of a parent (no traceback, before any process group)
