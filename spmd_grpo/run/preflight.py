@@ -124,11 +124,13 @@ def check_family(cfg: Config) -> None:
         f"worker.actor.shared_prompt=true: {family.name} is a mixture-of-experts model, whose routes are recorded "
         "and replayed per sample (not done for the shared layout); use auto or false",
     )
-    config = Path(model_path) / "config.json"
-    error = family.checkpoint_config_error(json.loads(config.read_text())) if config.is_file() else None
-    require(not error, f"worker.actor.model.model_path={model_path!r}: {config}: {error}")
-    if family.moe is not None and config.is_file():
-        check_expert_count(model_path, json.loads(config.read_text()))
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():  # a local checkpoint (a hub id is checked when it is downloaded and built)
+        config = json.loads(config_file.read_text())
+        error = family.checkpoint_config_error(config)
+        require(not error, f"worker.actor.model.model_path={model_path!r}: {config_file}: {error}")
+        if family.moe is not None:
+            check_expert_count(model_path, config)
     from spmd_grpo.models.build import resolve_dtype
     from spmd_grpo.parallel.devices import resolve_device_type
 
