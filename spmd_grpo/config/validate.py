@@ -58,7 +58,7 @@ def _check_across_sections(cfg: Config) -> None:
         "precomputed features for all modalities of a forward or none); auto turns it on where it applies",
     )
     require(
-        a.old_logprobs_from_update is not True or on_policy(cfg, 1),
+        a.old_logprobs_from_update is not True or _on_policy(cfg),
         "worker.actor.old_logprobs_from_update=true needs an exactly on-policy step: one mini-batch "
         "(worker.actor.global_batch_size = data.rollout_batch_size * worker.rollout.n), ppo_epochs 1 and no "
         "algorithm.rollout_correction.rollout_rs; auto takes them from the update where that holds",
@@ -126,7 +126,7 @@ def _check_dapo(cfg: Config) -> None:
     )
 
 
-def on_policy(cfg: Config, world_size: int) -> bool:
+def _on_policy(cfg: Config) -> bool:
     """One mini-batch, one epoch, no rejection: the update's first forward is the old policy's."""
     a = cfg.worker.actor
     num_samples = cfg.num_train_groups * cfg.worker.rollout.n
