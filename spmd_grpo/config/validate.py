@@ -90,6 +90,11 @@ def _check_batch_split(cfg: Config, world_size: int) -> None:
         world_size % tp == 0,
         f"worker.rollout.tensor_parallel_size ({tp}) must divide the world size ({world_size})",
     )
+    ep = a.fsdp.expert_parallel_size
+    require(
+        world_size % ep == 0,
+        f"worker.actor.fsdp.expert_parallel_size ({ep}) must divide the world size ({world_size})",
+    )
     num_samples = d.rollout_batch_size * r.n
     require(
         a.global_batch_size % world_size == 0,

@@ -121,6 +121,10 @@ class FSDPConfig:
     """Keep the gathered parameters through all micro-batches of a pass and reduce the gradient once per
     mini-batch instead of once per micro-batch (+ a gathered model and an unsharded gradient per rank at the
     peak). auto: on the CPU only, where memory is plentiful and every gloo gather and cast costs compute."""
+    expert_parallel_size: Positive = 1
+    """Expert parallelism of an MoE policy (1: off). EP ranks come out of the data-parallel ranks: each holds
+    num_experts / EP experts, tokens reach them by all-to-all, and the expert weights are FSDP-sharded over
+    the other world / EP ranks. Must divide the world size and the model's num_experts."""
 
 
 @dataclass(config=SECTION)

@@ -124,6 +124,11 @@ def check_family(cfg: Config) -> None:
         f"worker.actor.shared_prompt=true: {family.name} is a mixture-of-experts model, whose routes are recorded "
         "and replayed per sample (not done for the shared layout); use auto or false",
     )
+    ep = cfg.worker.actor.fsdp.expert_parallel_size
+    require(
+        ep == 1 or family.moe is not None,
+        f"worker.actor.fsdp.expert_parallel_size={ep}: {family.name} is a dense model (no experts to shard); set 1",
+    )
     config_file = Path(model_path) / "config.json"
     if config_file.is_file():  # a local checkpoint (a hub id is checked when it is downloaded and built)
         config = json.loads(config_file.read_text())
@@ -131,6 +136,12 @@ def check_family(cfg: Config) -> None:
         require(not error, f"worker.actor.model.model_path={model_path!r}: {config_file}: {error}")
         if family.moe is not None:
             check_expert_count(model_path, config)
+            experts = config.get("text_config", config).get("num_experts")
+            require(
+                experts is None or experts % ep == 0,
+                f"worker.actor.fsdp.expert_parallel_size={ep} must divide the model's {experts} experts "
+                f"({config_file}: text_config.num_experts)",
+            )
     from spmd_grpo.models.build import resolve_dtype
     from spmd_grpo.parallel.devices import resolve_device_type
 

@@ -54,6 +54,10 @@ def files(tmp_path_factory) -> Path:
         ("qwen3_5", '{"model_type": "qwen3_5"}'),
         ("qwen3_vl_moe", '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": true}}'),
         ("moe_no_renorm", '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": false}}'),
+        (
+            "moe_3_experts",
+            '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": true, "num_experts": 3}}',
+        ),
     ]:
         (root / name).mkdir()
         (root / name / "config.json").write_text(config)
@@ -154,6 +158,14 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
         ["worker.actor.model.model_path=ROOT/moe_8_experts"],
         "gate_up_proj holds 8 experts, config.json names 4",
     ),
+    # expert parallelism: a dense model has no experts to shard; EP must divide the experts (and the world)
+    ([f"{A}fsdp.expert_parallel_size=2"], f"{A}fsdp.expert_parallel_size=2: Qwen2.5-VL is a dense model"),
+    (
+        ["worker.actor.model.model_path=ROOT/moe_3_experts", f"{A}fsdp.expert_parallel_size=2"],
+        f"{A}fsdp.expert_parallel_size=2 must divide the model's 3 experts",
+    ),
+    ([f"{A}fsdp.expert_parallel_size=4"], f"{A}fsdp.expert_parallel_size (4) must divide the world size (2)"),
+    ([f"{A}fsdp.expert_parallel_size=0"], f"{A}fsdp.expert_parallel_size"),
     # the installed vLLM build (here the CPU one) cannot return routed experts
     ([f"{A}moe.routing_replay=rollout"], f"{A}moe.routing_replay=rollout needs vLLM's routed experts"),
     # the run directory: a file in the way of it or of a parent (no traceback, before any process group)
