@@ -1,17 +1,16 @@
 """`ConfigError`, the field types the config sections declare their ranges with, and the built-in names.
 
-Where numbers go decides how large they may be. Every integer key is a C int (vLLM's and torch's sizes and
-token counts; seeds: numpy takes < 2**32 and the engine adds the rank to trainer.seed); every float key meets
-float32 tensors and must be finite. Durations in seconds are C ints too: `datetime.timedelta` (the process
-group's timeout; gloo keeps int64 milliseconds) and `time.sleep` both take that, where 10**20 s raised
-OverflowError only when the process group was built. YAML 1.1 reads `1e-6` (no dot) as a string: a float key
-takes a numeric string. A bool is never a number.
+Every integer key is a C int (the sizes and token counts vLLM and torch take; durations in seconds, which
+`datetime.timedelta` and `time.sleep` take); every float key meets float32 tensors, so it is finite and
+within float32's range. A float key takes a numeric string (YAML 1.1 reads `1e-6` as one); a bool is
+never a number.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict
@@ -21,9 +20,8 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix; the message is one line naming the key."""
 
 
-C_INT_MIN, C_INT_MAX = -(2**31), 2**31 - 1
+C_INT_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
-
 SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 """Every section: unknown keys refused, immutable, each field's docstring is its description."""
 
@@ -33,9 +31,21 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _number(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a bool")
+def rule(test: Callable[[Any], bool], message: str, before: bool = False) -> Any:
+    """A validator refusing a value that fails `test` with `message` (pydantic adds the key)."""
+
+    def check(value: Any) -> Any:
+        require(test(value), message)
+        return value
+
+    return BeforeValidator(check) if before else AfterValidator(check)
+
+
+Int = Annotated[int, Strict(), Field(ge=-C_INT_MAX - 1, le=C_INT_MAX)]
+
+
+def _float32(value: Any) -> Any:
+    require(not isinstance(value, bool), "expected a number, got a bool")
     if isinstance(value, str):
         try:
             value = float(value)
@@ -47,24 +57,13 @@ def _number(value: Any) -> Any:
     return value
 
 
-def _off_or_positive(value: int) -> int:
-    require(value == -1 or value >= 1, "must be -1 (off) or >= 1")
-    return value
-
-
-def _nonempty(value: str) -> str:
-    require(bool(value.strip()), "must be a non-empty string")
-    return value
-
-
-Int = Annotated[int, Strict(), Field(ge=C_INT_MIN, le=C_INT_MAX)]
-Float = Annotated[float, BeforeValidator(_number)]
+Float = Annotated[float, BeforeValidator(_float32)]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
-NonEmpty = Annotated[Str, AfterValidator(_nonempty)]
+NonEmpty = Annotated[Str, rule(lambda v: bool(v.strip()), "must be a non-empty string")]
 Positive = Annotated[Int, Field(gt=0)]
 NonNegative = Annotated[Int, Field(ge=0)]
-OffOrPositive = Annotated[Int, AfterValidator(_off_or_positive)]
+OffOrPositive = Annotated[Int, rule(lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1")]
 """-1 means off / all; 0 and -5 are mistakes."""
 PositiveFloat = Annotated[Float, Field(gt=0)]
 NonNegativeFloat = Annotated[Float, Field(ge=0)]
@@ -73,13 +72,9 @@ TopK = Annotated[Int, Field(ge=-1)]
 """-1 or 0: off (as vLLM)."""
 TopP = Annotated[Float, Field(gt=0, le=1)]
 
-
-# ------------------------------------------------------------------------------------------ built-in names
 BUILTIN_REWARDS = ("math", "color")
 """The reward names `spmd_grpo.algorithm.reward` resolves itself (the rest must be `path/file.py:function`)."""
-
 BUILTIN_DATASETS = ("color", "geo3k", "video_color")
 """The `builtin:<task>` data sets `spmd_grpo.data.synthetic` generates."""
-
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\[\]:%+-]+)?$")
 """`owner/name`, for data sets optionally `@split`."""

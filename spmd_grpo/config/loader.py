@@ -1,13 +1,11 @@
 """Loading a config: YAML file + dotted command-line overrides -> the frozen `Config`, validated by pydantic.
 
-What pydantic does not do is here: a key repeated in one YAML mapping is refused (file and both lines
-named; YAML merge keys `<<:` load as `yaml.safe_load` loads them), and so is a key set twice on the command
-line; a mapping given to a section on the command line (`worker.actor.optim={weight_decay: 0.0}`) merges into
-it, as Hydra/OmegaConf merge; `null` for a section is refused on the command line, at any depth of an
-override (it would reset the section's keys to their defaults), and means "the defaults" for an empty
-section in the file; pydantic's errors become one line naming the dotted key, an unknown key with the
-closest valid one. `to_dict` / `dump_yaml` write the resolved config back (next to the run's logs and into
-every checkpoint).
+What pydantic does not do is here: a key repeated in one YAML mapping or on the command line is refused
+(YAML merge keys `<<:` load as `yaml.safe_load` loads them); a mapping given to a section on the command
+line (`worker.actor.optim={weight_decay: 0.0}`) merges into it, as Hydra/OmegaConf merge; `null` for a
+section is refused at any depth of an override (it would reset the section's keys to their defaults) and
+means "the defaults" for an empty section in the file; pydantic's errors become one line naming the dotted
+key, an unknown key with the closest valid one. `dump_yaml` writes the resolved config back.
 """
 
 from __future__ import annotations
@@ -24,27 +22,21 @@ from pydantic import TypeAdapter, ValidationError
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.schema import Config
 
-MOVED = {
-    "algorithm.adv_std_scope": "its `batch` is now algorithm.norm_adv_by_std_in_grpo=batch",
-}
+MOVED = {"algorithm.adv_std_scope": "its `batch` is now algorithm.norm_adv_by_std_in_grpo=batch"}
 """Keys that were removed, with what replaces them."""
 
 
-# ------------------------------------------------------------------------------------------- loading
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """YAML file (may be None: defaults) plus `a.b.c=value` overrides -> Config. Raises ConfigError."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_yaml(Path(path))
-        _drop_empty_sections(raw, "")
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    _drop_empty_sections(raw, "")
     given: dict[str, str] = {}  # dotted key -> the override that set it
     for item in overrides:
-        key, sep, value = item.partition("=")
-        key = key.strip()
+        key, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         try:
-            parsed = yaml.load(value, Loader=_StrictLoader) if value.strip() else None
+            parsed = yaml.load(value, Loader=_StrictLoader) if value else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: value {value!r} is not valid YAML: {_one_line(e)}") from None
         for leaf, leaf_value in _leaves(key, parsed):
@@ -59,7 +51,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                     "given once, as in a YAML section"
                 )
             given[leaf] = item
-        _set_dotted(raw, key, parsed)
+        _set_dotted(raw, key.split("."), parsed)
     try:
         return TypeAdapter(Config).validate_python(raw)
     except ValidationError as e:
@@ -67,17 +59,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a directory (give the path of a YAML file)")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        what = "is a directory (give the path of a YAML file)" if path.is_dir() else "not found"
+        raise ConfigError(f"config file {path} {what}")
     try:
         with path.open(encoding="utf-8") as stream:  # a stream, so that errors name the file
             raw = yaml.load(stream, Loader=_StrictLoader) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text ({_first_bad_byte(path)})") from None
+        raise _not_utf8(path) from None
     except OSError as e:
         raise ConfigError(f"config file {path} is not readable: {e.strerror}") from None
     if not isinstance(raw, dict):
@@ -85,13 +76,22 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return raw
 
 
+def _not_utf8(path: Path) -> ConfigError:
+    """Where a file stops being UTF-8 (the decoder's error is relative to the chunk the reader held)."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+        where = "it changed while read"
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        where = f"byte {data[e.start]:#04x} on line {line}"
+    return ConfigError(f"{path}: not UTF-8 text ({where})")
+
+
 def last_wins(overrides: list[str]) -> list[str]:
     """For programs that compose overrides (defaults, then what their user gave): each key once, with its
     last value, where it first appeared. `load_config` refuses a key given twice, as YAML does."""
-    by_key: dict[str, str] = {}
-    for item in overrides:
-        by_key[item.partition("=")[0].strip()] = item
-    return list(by_key.values())
+    return list({item.partition("=")[0].strip(): item for item in overrides}.values())
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -103,8 +103,7 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
             if key in seen:
                 where = key_node.start_mark.name.replace("<unicode string>", "command-line override")
                 raise ConfigError(
@@ -115,17 +114,6 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _first_bad_byte(path: Path) -> str:
-    """Where a file stops being UTF-8 (the decoder's error is relative to the chunk the reader held)."""
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        return f"byte {data[e.start]:#04x} on line {line}"
-    return "it changed while read"
-
-
 def _one_line(error: yaml.YAMLError) -> str:
     return " ".join(str(error).split())
 
@@ -133,11 +121,10 @@ def _one_line(error: yaml.YAMLError) -> str:
 def _drop_empty_sections(raw: dict, prefix: str) -> None:
     """A section left empty in the file (`trainer:` with its keys commented out) means its defaults."""
     for key, value in list(raw.items()):
-        dotted = f"{prefix}{key}"
-        if value is None and dataclasses.is_dataclass(section_type(dotted)):
+        if value is None and dataclasses.is_dataclass(section_type(f"{prefix}{key}")):
             del raw[key]
         elif isinstance(value, dict):
-            _drop_empty_sections(value, f"{dotted}.")
+            _drop_empty_sections(value, f"{prefix}{key}.")
 
 
 def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
@@ -147,28 +134,21 @@ def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
     return [leaf for k, v in value.items() for leaf in _leaves(f"{dotted}.{k}", v)]
 
 
-def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
-    """Set `dotted` in `raw`; a mapping merges into the section already there (the keys it does not name
-    keep their YAML or earlier values)."""
-    node = raw
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted}: {part} is not a section")
-        node = child
-    _merge(node, parts[-1], value)
-
-
-def _merge(node: dict, key: Any, value: Any) -> None:
+def _set_dotted(node: dict, parts: list[str], value: Any) -> None:
+    """Set the key `parts` in `node`; a mapping merges into the section already there (the keys it does
+    not name keep their YAML or earlier values)."""
+    for i, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a section")
+    key = parts[-1]
     if isinstance(value, dict) and isinstance(node.get(key), dict):
         for k, v in value.items():
-            _merge(node[key], k, v)
+            _set_dotted(node[key], [k], v)
     else:
         node[key] = value
 
 
-# -------------------------------------------------------------------------------------- the schema's keys
 def _fields(cls: type) -> dict[str, Any]:
     """A section's field name -> annotation (pydantic's, with `from __future__` strings resolved)."""
     return {name: info.annotation for name, info in cls.__pydantic_fields__.items()}
@@ -178,21 +158,19 @@ def section_type(dotted: str) -> Any:
     """The schema type at `dotted` (a section's dataclass, a leaf's annotation); None for an unknown key."""
     tp: Any = Config
     for part in dotted.split("."):
-        if not dataclasses.is_dataclass(tp):
-            return None
-        tp = _fields(tp).get(part)
+        tp = _fields(tp).get(part) if dataclasses.is_dataclass(tp) else None
     return tp
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted leaf key of the schema, in declaration order."""
-    keys = []
-    for name, tp in _fields(cls).items():
-        keys += all_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
-    return keys
+    return [
+        key
+        for name, tp in _fields(cls).items()
+        for key in (all_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"])
+    ]
 
 
-# -------------------------------------------------------------------------- pydantic's errors, one line
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
@@ -200,13 +178,10 @@ def _message(errors: list[dict]) -> str:
     """The first key's error as one line naming the dotted key (a union's alternatives become one line)."""
     key, leaf = _key(errors[0]["loc"])
     same = [e for e in errors if _key(e["loc"])[0] == key]
-    err = next((e for e in same if e["type"] in (*_BOUNDS, "value_error", "too_short")), same[0])
-    kind, value, ctx, index = (
-        err["type"],
-        err.get("input"),
-        err.get("ctx", {}),
-        err["loc"][key.count(".") + 1 :],
-    )
+    order = (*_BOUNDS, "value_error", "too_short")  # the most telling of a value's errors
+    err = min(same, key=lambda e: order.index(e["type"]) if e["type"] in order else len(order))
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx", {})
+    index = err["loc"][key.count(".") + 1 :]
     got = "" if isinstance(value, list | tuple) and kind == "value_error" else f", got {value!r}"
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         return (
@@ -214,11 +189,9 @@ def _message(errors: list[dict]) -> str:
             if key in MOVED
             else f"unknown config key {key}{_suggest(key)}"
         )
-    if (
-        dataclasses.is_dataclass(leaf) and kind == "value_error"
-    ):  # a section's rule: its message names the field
-        return f"{key + '.' if key else ''}{ctx['error']}"
-    if dataclasses.is_dataclass(leaf):
+    if dataclasses.is_dataclass(leaf):  # a section's own rule names its field; anything else is not a mapping
+        if kind == "value_error":
+            return f"{key + '.' if key else ''}{ctx['error']}"
         return f"{key}: expected a section (mapping), got {type(value).__name__} {value!r}"
     if kind == "value_error":
         return f"{key}: {ctx['error']}{got}"
@@ -249,10 +222,10 @@ def describe_type(tp: Any) -> str:
         return describe_type(args[0])
     if origin is typing.Literal:
         return " or ".join(map(repr, args))
-    if args and origin is not tuple:  # a union
-        return " or ".join(describe_type(a) for a in args)
     if origin is tuple:
-        return "a list" if len(args) == 2 and args[1] is Ellipsis else f"a list of {len(args)} values"
+        return "a list" if args[-1:] == (Ellipsis,) else f"a list of {len(args)} values"
+    if args:  # a union
+        return " or ".join(describe_type(a) for a in args)
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -268,21 +241,13 @@ def _suggest(dotted: str) -> str:
     return f"; did you mean {everywhere[0]}?" if everywhere else ""
 
 
-# -------------------------------------------------------------------------------------------- writing
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
 def dump_yaml(cfg: Config, path: Path) -> None:
+    """The resolved config as YAML (next to the run's logs and in every checkpoint)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(_plain(to_dict(cfg)), sort_keys=False))
+    tmp.write_text(yaml.safe_dump(TypeAdapter(Config).dump_python(cfg, mode="json"), sort_keys=False))
     tmp.replace(path)
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_plain(v) for v in obj]
-    return obj
