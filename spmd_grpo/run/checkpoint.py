@@ -47,6 +47,7 @@ The optimizer state must exist when saving: `get_state_dict` initialises an empt
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -252,7 +253,9 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
     except BaseException as e:  # DCP's CheckpointException is a BaseException; it names no file
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
-        raise UnreadableCheckpoint(f"{path}: its DCP shards failed to load ({_dcp_failure(e)})") from None
+        file = _first_unreadable_file(path)
+        where = f"{path / file} is unreadable" if file else "its DCP shards failed to load"
+        raise UnreadableCheckpoint(f"{path}: {where} ({_dcp_failure(e)})") from None
     set_state_dict(
         policy,
         optim.optimizer,
@@ -290,6 +293,32 @@ def _dcp_failure(e: BaseException) -> str:
     first = (str(inner).strip().splitlines() or [""])[0][:300]
     where = f"rank {rank}: " if rank is not None else ""
     return f"{where}{type(inner).__name__}: {first}"
+
+
+def _first_unreadable_file(path: Path) -> str | None:
+    """The DCP file of `path` that does not read back (the metadata; a shard missing, short, or holding an
+    item that does not deserialise), which DCP's own error does not name. Reads every item once, so only
+    after a load failed; None if every file reads (the failure was elsewhere)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception:
+        return ".metadata"
+    items: dict[str, list] = {}
+    for info in metadata.storage_data.values():
+        items.setdefault(info.relative_path, []).append(info)
+    for name, infos in sorted(items.items()):
+        try:
+            with (path / name).open("rb") as f:
+                for info in infos:
+                    f.seek(info.offset)
+                    data = f.read(info.length)
+                    if len(data) != info.length:
+                        return name
+                    if not getattr(info, "transform_descriptors", None):  # each item is a torch.save archive
+                        torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception:
+            return name
+    return None
 
 
 def load_or_fall_back(

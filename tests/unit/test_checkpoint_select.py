@@ -293,7 +293,7 @@ def test_without_a_manifest_the_resume_warns_once_and_a_torn_file_falls_back(tmp
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(bytes(shard.stat().st_size))
     assert find_checkpoint(tmp_path, "auto", rank=None) == newest
-    with pytest.raises(UnreadableCheckpoint, match=f"{newest}: its DCP shards failed to load \\(rank 0: "):
+    with pytest.raises(UnreadableCheckpoint, match=f"{newest}: {shard} is unreadable \\(rank 0: "):
         load_or_fall_back(newest, policy=model, optim=optim, world=ONE_CPU_RANK, auto=False)
     fresh, fresh_optim = make_bundle(1)
     (fallback,) = warnings_of(
@@ -303,9 +303,7 @@ def test_without_a_manifest_the_resume_warns_once_and_a_torn_file_falls_back(tmp
             or pytest.fail()
         )
     )
-    assert fallback.startswith(f"rank 0: {newest} failed to load ({newest}: its DCP shards failed to load"), (
-        fallback
-    )
+    assert fallback.startswith(f"rank 0: {newest} failed to load ({newest}: {shard} is unreadable"), fallback
     assert fallback.endswith(f"resuming the previous complete checkpoint {root / 'global_step_1'}"), fallback
 
 
