@@ -117,8 +117,21 @@ def load_reward_function(spec: str, format_weight: float = 0.1) -> RewardFn:
     if not path.is_file():
         raise ValueError(f"reward function spec {spec!r}: file {str(path)!r} does not exist")
     # A unique module name per file, registered in sys.modules before exec: dataclasses and pickling in the
-    # user's file look their module up there.
+    # user's file look their module up there. The file runs once per process: the trainer takes the module
+    # the preflight check imported.
     module_name = "spmd_grpo_user_reward_" + re.sub(r"\W", "_", str(path.resolve()))
+    module = sys.modules.get(module_name) or _import_reward_file(spec, path, module_name)
+    if not hasattr(module, fn_name):
+        raise ValueError(f"reward function spec {spec!r}: {str(path)!r} has no attribute {fn_name!r}")
+    fn = getattr(module, fn_name)
+    if not callable(fn):
+        raise ValueError(f"reward function spec {spec!r}: {fn_name!r} is a {type(fn).__name__}, not callable")
+    return fn
+
+
+def _import_reward_file(spec: str, path: Path, module_name: str):
+    """Run the user's reward file as module `module_name`; anything it raises or exits with at import is one
+    ValueError naming the file (with the last line it printed, e.g. argparse's usage error)."""
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
         raise ValueError(f"reward function spec {spec!r}: cannot load {str(path)!r} as a Python module")
@@ -136,12 +149,7 @@ def load_reward_function(spec: str, format_weight: float = 0.1) -> RewardFn:
             f"reward function spec {spec!r}: importing {str(path)!r} raised {_describe(e)}{said}"
         ) from e
     sys.stderr.write(printed.getvalue())
-    if not hasattr(module, fn_name):
-        raise ValueError(f"reward function spec {spec!r}: {str(path)!r} has no attribute {fn_name!r}")
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise ValueError(f"reward function spec {spec!r}: {fn_name!r} is a {type(fn).__name__}, not callable")
-    return fn
+    return module
 
 
 def _describe(error: BaseException) -> str:

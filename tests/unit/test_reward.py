@@ -198,3 +198,14 @@ def test_overlong_penalty_validates_buffer(buffer_length):
         overlong_penalty(
             torch.tensor([1]), max_response_length=20, buffer_length=buffer_length, penalty_factor=1.0
         )
+
+
+def test_a_reward_file_runs_once_per_process(tmp_path):
+    """The preflight check imports the user's file and the trainer asks for it again: its top level (which
+    may load a model or open a connection) runs once."""
+    runs = tmp_path / "runs.txt"
+    reward = tmp_path / "once.py"
+    reward.write_text(f"open({str(runs)!r}, 'a').write('ran\\n')\n\ndef fn(samples):\n    return []\n")
+    first = load_reward_function(f"{reward}:fn")
+    assert load_reward_function(f"{reward}:fn") is first
+    assert runs.read_text() == "ran\n"
