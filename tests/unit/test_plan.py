@@ -229,3 +229,23 @@ def test_the_fewest_nodes_for_235b_a22b_are_the_arithmetics():
     assert lines[6].startswith("nodes 7 (world 56): best EP") and "training" in lines[6], lines
     lora, lines = fewest_nodes(str(QWEN3_VL_30B), [MOE_235B, *LORA])
     assert {(c.nodes, c.tp) for c in lora} == {(2, 16)} and {c.ep for c in lora} == {1, 2, 4, 8, 16}, lines
+
+
+def test_the_moe_throughput_benchmark_runs_the_shipped_config_planned_to_fit_and_its_cpu_run_validates(
+    tmp_path,
+):
+    """benchmarks/moe_step_throughput.py: its 8-GPU command trains the shipped 30B-A3B config as the file says
+    (run control only), which `--dry-run` plans to fit 1 x 8 x 80 GB; its `--tiny` CPU command is valid for 2
+    ranks. Its metrics reader runs on the shipped config's engine test (tests/engine/test_shipped_configs.py)."""
+    from benchmarks.moe_step_throughput import CONFIG, command, overrides
+    from spmd_grpo.config.validate import validate
+
+    gpu = overrides(tiny=False, steps=3, output_dir=tmp_path)
+    assert command(8, gpu)[-len(gpu) - 1 :] == [str(CONFIG), *gpu] and "--nproc_per_node" in command(8, gpu)
+    assert all(o.startswith("trainer.") for o in gpu), gpu
+    assert "DOES NOT FIT" not in dry_run(load_config(CONFIG, gpu), nnodes=1, nproc_per_node=8)
+    tiny = overrides(
+        tiny=True, steps=3, output_dir=tmp_path, model_path="/tiny", extra=["trainer.max_steps=2"]
+    )
+    assert "trainer.max_steps=2" in tiny and "trainer.max_steps=3" not in tiny
+    validate(load_config(CONFIG, tiny), 2)
