@@ -85,15 +85,19 @@ def _expert_lines(cfg: Config, model: ModelCounts, world: int) -> list[str]:
     per_ep_rank = model.num_expert / ep
     # full fine-tuning: fp32 master, gradient, two AdamW moments; LoRA leaves the experts frozen in param_dtype
     bytes_per = BYTES[param_dtype(cfg)] if cfg.worker.actor.model.lora.enabled else 16
+    held = (
+        f"an EP rank holds experts p x {e // ep} .. p x {e // ep} + {e // ep - 1} of each layer"
+        if ep > 1
+        else f"no expert parallelism: every rank's FSDP group holds all {e} experts"
+    )
     return [
         f"experts (worker.actor.fsdp.expert_parallel_size={ep}): {e} experts x {layers} layers, top {model.top_k}: "
-        f"{model.num_expert / 1e9:.2f}B of the {model.num_params / 1e9:.2f}B parameters; an EP rank holds experts "
-        f"p x {e // ep} .. p x {e // ep} + {e // ep - 1} ({per_ep_rank / 1e9:.2f}B parameters, "
-        f"{bytes_per * per_ep_rank / GiB:.1f} GiB at {bytes_per} bytes each), FSDP-sharded over the {world // ep} "
-        f"rank(s) holding the same experts: {model.num_expert / world / 1e9:.3f}B per rank (= experts / world at "
-        f"any EP); the other {(model.num_params - model.num_expert) / 1e9:.2f}B FSDP-sharded over all {world} "
-        f"ranks; a layer gathers {e // ep} experts ({model.layer_expert / ep / 1e6:.0f}M parameters)"
-        + (f", tokens reach them by all-to-all over groups of {ep} ranks" if ep > 1 else ", no all-to-all"),
+        f"{model.num_expert / 1e9:.2f}B of the {model.num_params / 1e9:.2f}B parameters; {held} "
+        f"({per_ep_rank / 1e9:.2f}B parameters, {bytes_per * per_ep_rank / GiB:.1f} GiB at {bytes_per} bytes each), "
+        f"FSDP-sharded over the {world // ep} rank(s) holding them: {model.num_expert / world / 1e9:.3f}B per rank "
+        f"(= experts / world at any EP); the other {(model.num_params - model.num_expert) / 1e9:.2f}B FSDP-sharded "
+        f"over all {world} ranks; a layer gathers {e // ep} experts ({model.layer_expert / ep / 1e6:.0f}M "
+        "parameters)" + (f", tokens reach them by all-to-all over groups of {ep} ranks" if ep > 1 else ""),
     ]
 
 
