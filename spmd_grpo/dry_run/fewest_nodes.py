@@ -76,7 +76,7 @@ def scaled_batch(cfg: Config, world: int) -> tuple[int, int]:
     config's prompts, with the config's optimizer steps per step and a mini-batch per rank that the update
     micro-batch divides."""
     d, a, n = cfg.data, cfg.worker.actor, cfg.worker.rollout.n
-    num_mini = d.rollout_batch_size * n // a.global_batch_size
+    num_mini = max(1, d.rollout_batch_size * n // a.global_batch_size)
     p = -(-d.rollout_batch_size // world)
     while (p * n) % num_mini or (p * n // num_mini) % a.micro_batch_size_per_device_for_update:
         p += 1
