@@ -74,7 +74,7 @@ def prepare(argv: list[str], world_size: int, *, rank: int | None) -> tuple[Conf
     cfg = load_config(path, overrides)
     if dry_run_options is not None:
         if rank is not None:
-            from spmd_grpo.dry_run import dry_run
+            from spmd_grpo.dry_run.plan import dry_run
 
             nnodes, nproc = dry_run_options.get("nnodes", 1), dry_run_options.get("nproc_per_node", 8)
             print(dry_run(cfg, nnodes, nproc, dry_run_options.get("device_memory_gb", 80)))

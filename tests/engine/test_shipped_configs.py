@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw
 
+from benchmarks.moe_step_throughput import summarise
 from spmd_grpo.config.loader import load_config
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import validate
@@ -253,6 +254,8 @@ def test_shipped_config_trains_two_steps(config: Path, tmp_path: Path):
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
     train = [r for r in rows if r["step"] > 0]
     _check_config_shows(original, train)
+    summary = summarise(rows)  # what benchmarks/moe_step_throughput.py reports of the MoE config on 8 GPUs
+    assert summary["tokens_per_s_per_gpu"] > 0 and summary["step_s"] > summary["update_actor_s"] > 0, summary
     if cfg.trainer.save_freq > 0:  # saved at the last step whatever the frequency
         assert (cfg.run_dir / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
     if cfg.worker.reward.reward_function == "math":

@@ -155,17 +155,17 @@ def test_an_unsupported_model_is_refused_at_config_time_naming_the_supported_one
 def test_every_published_architecture_has_its_published_size(model_id):
     """Built on the meta device from the table, each model has the size its model card states (to the card's
     three significant digits), so a wrong width, depth, vocabulary or tie in the table shows here."""
-    from spmd_grpo.dry_run import _count_parameters
+    from spmd_grpo.dry_run.counts import count_parameters
 
     assert set(SIZES_B) | UNCHECKED_SIZES == set(PUBLISHED) and not set(SIZES_B) & UNCHECKED_SIZES
-    params_b = _count_parameters(PUBLISHED[model_id].published_config(model_id)).num_params / 1e9
+    params_b = count_parameters(PUBLISHED[model_id].published_config(model_id)).num_params / 1e9
     assert params_b == pytest.approx(SIZES_B[model_id], rel=0.002), params_b
 
 
 @pytest.mark.parametrize("model_id", ["Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-4B-Instruct"])
 def test_the_small_qwen3_vl_models_dry_run_on_8_nodes(model_id):
     from spmd_grpo.config.loader import load_config
-    from spmd_grpo.dry_run import dry_run
+    from spmd_grpo.dry_run.plan import dry_run
 
     cfg = load_config("configs/qwen3_vl_8b_geo3k_grpo.yaml", [f"worker.actor.model.model_path={model_id}"])
     plan = dry_run(cfg, nnodes=8, nproc_per_node=8, device_memory_gb=80)
