@@ -9,13 +9,20 @@ but put together from partial public copies; the count settles the one value tho
 2B MLP width: Qwen3-VL-2B's language model is Qwen3-1.7B's (MLP 6144 gives 2.13B; the 5632 and 8192 seen
 elsewhere give 2.04B and 2.48B), Qwen2-VL-2B's is Qwen2-1.5B's (MLP 8960 gives 2.21B). The Qwen3-VL-MoE
 rows (30B-A3B: 48 layers of 128 experts, top 8, expert MLP 768; 235B-A22B: 94 layers, hidden 4096, expert
-MLP 1536) are checked the same way. Qwen3.5-35B-A3B takes the values transformers 5.19's
-`Qwen3_5MoeTextConfig` defaults to (its docstring names that checkpoint: 40 layers, 256 experts, 8 per
-token, expert MLP 512 plus a shared expert of 512); no model card was at hand offline to check its count
-(`UNCHECKED_SIZES`). Qwen3.5-9B likewise takes transformers' `Qwen3_5TextConfig` defaults, which its
-docstring calls the Qwen3.5-9B style (hidden 4096, 32 layers, MLP 12288, 16 heads of 256, 4 KV heads;
-linear attention 16 key / 32 value heads of 128), unchecked as well. The other Qwen3.5 sizes (0.8B to 27B,
-122B-A10B, 397B-A17B) are not listed: nothing offline gives their config.json values.
+MLP 1536) are checked the same way; their language-model values are also those of the Megatron arguments
+public RL trainers ship for these two checkpoints (slime's `scripts/models/qwen3-vl-30b-a3b.sh` and
+`qwen3-vl-235b-a22b.sh`).
+
+The Qwen3.5 model cards give no parameter count finer than the size in the name, so those rows are not
+checked by count (`UNCHECKED_SIZES`); each row says where its values come from, and two independent public
+sources agree on every language-model value of each: transformers 5.19's own defaults (`Qwen3_5TextConfig`:
+the 9B; `Qwen3_5MoeTextConfig`: the 35B-A3B), the Megatron arguments of slime's and miles' Qwen3.5 recipes
+(`scripts/models/qwen3.5-*.sh`: widths, depths, heads, expert counts, untied or tied), and config.json copies
+in public code (linear-attention heads and the vision tower, which those recipes do not spell). The table's
+counts: 4.54B, 9.41B, 27.4B, 35.1B and 397B (no MTP layer: transformers does not build it). Not listed,
+because nothing offline gives their config.json values: Qwen3.5-0.8B (slime's recipe gives the language model,
+hidden 1024, 24 layers, 8 heads, 2 KV heads, MLP 3584, tied, but neither the linear-attention heads nor the
+vision tower), Qwen3.5-2B and Qwen3.5-122B-A10B.
 
 This module imports neither torch nor transformers.
 """
@@ -253,6 +260,11 @@ QWEN3_VL_MOE_ROWS: tuple[Published, ...] = (
     _qwen3_vl_moe_published("Qwen/Qwen3-VL-235B-A22B-Instruct", (4096, 12288, 94, 64, 4), (128, 8, 1536)),
 )
 QWEN3_5_MOE_ROWS: tuple[Published, ...] = (
+    # transformers 5.19's `Qwen3_5MoeTextConfig` defaults (its docstring names this checkpoint) and slime's
+    # `qwen3.5-35B-A3B.sh` (hidden 2048, 40 layers, 16 heads, 2 KV heads, 256 experts, top 8, expert MLP 512 and
+    # a shared expert of 512, linear attention 16 key / 32 value heads, untied); the vision tower is
+    # transformers' `Qwen3_5MoeVisionConfig` default (Qwen3-VL-8B's 27 blocks without DeepStack; a config.json
+    # copy in public code agrees on the depth and the empty DeepStack list).
     Published(
         "Qwen/Qwen3.5-35B-A3B",
         dict(
@@ -263,6 +275,22 @@ QWEN3_5_MOE_ROWS: tuple[Published, ...] = (
             num_experts_per_tok=8,
         ),
         qwen3_5_vision(27, 1152, 4304, 16, 2048),
+        False,
+    ),
+    # slime's `qwen3.5-397B-A17B.sh` (hidden 4096, 60 layers, 32 heads, 2 KV heads, 512 experts, top 10, expert
+    # MLP 1024 and a shared expert of 1024, untied) and the defaults the JAX port omegalax
+    # (`omegalax/models/qwen3_5/config.py`) keeps for this checkpoint, which add linear attention 16 key / 64
+    # value heads and the 27-block tower.
+    Published(
+        "Qwen/Qwen3.5-397B-A17B",
+        dict(
+            qwen3_5_text(4096, 60, 32, 2, (16, 64)),
+            moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024,
+            num_experts=512,
+            num_experts_per_tok=10,
+        ),
+        qwen3_5_vision(27, 1152, 4304, 16, 4096),
         False,
     ),
 )
@@ -281,14 +309,42 @@ SIZES_B: dict[str, float] = {
     "Qwen/Qwen3-VL-235B-A22B-Instruct": 236,
 }
 """Published model sizes in billions of parameters (the model cards' figures), checked against the table."""
-UNCHECKED_SIZES: frozenset[str] = frozenset({"Qwen/Qwen3.5-9B", "Qwen/Qwen3.5-35B-A3B"})
-"""Rows whose parameter count could not be checked against a model card here (no card offline); the table
-builds them from transformers' own defaults (9.4B and 35.1B by the table's count)."""
+UNCHECKED_SIZES: frozenset[str] = frozenset(
+    {
+        "Qwen/Qwen3.5-4B",
+        "Qwen/Qwen3.5-9B",
+        "Qwen/Qwen3.5-27B",
+        "Qwen/Qwen3.5-35B-A3B",
+        "Qwen/Qwen3.5-397B-A17B",
+    }
+)
+"""Rows whose parameter count could not be checked against a model card (the Qwen3.5 cards state only the
+size in the name); their sources are named at each row."""
 QWEN3_5_ROWS: tuple[Published, ...] = (
+    # miles' `qwen3.5-4B.sh` (hidden 2560, 32 layers, 16 heads, 4 KV heads, MLP 9216, tied embeddings); linear
+    # attention 16 key / 32 value heads and Qwen3-VL-4B's tower without DeepStack (24 blocks, width 1024, MLP
+    # 4096) as config.json copies in public code give them.
+    Published(
+        "Qwen/Qwen3.5-4B",
+        dict(qwen3_5_text(2560, 32, 16, 4, (16, 32)), intermediate_size=9216),
+        qwen3_5_vision(24, 1024, 4096, 16, 2560),
+        True,
+    ),
+    # transformers 5.19's `Qwen3_5TextConfig` defaults (its docstring: "the Qwen3.5-9B style") and miles'
+    # `qwen3.5-9B.sh` (hidden 4096, 32 layers, 16 heads, 4 KV heads, MLP 12288, untied); linear attention
+    # 16 key / 32 value heads; Qwen3-VL-8B's tower without DeepStack, as config.json copies give it.
     Published(
         "Qwen/Qwen3.5-9B",
         dict(qwen3_5_text(4096, 32, 16, 4, (16, 32)), intermediate_size=12288),
         qwen3_5_vision(27, 1152, 4304, 16, 4096),
+        False,
+    ),
+    # slime's and miles' `qwen3.5-27B.sh` (hidden 5120, 64 layers, 24 heads, 4 KV heads, MLP 17408, untied);
+    # linear attention 16 key / 48 value heads and the 27-block tower as config.json copies give them.
+    Published(
+        "Qwen/Qwen3.5-27B",
+        dict(qwen3_5_text(5120, 64, 24, 4, (16, 48)), intermediate_size=17408),
+        qwen3_5_vision(27, 1152, 4304, 16, 5120),
         False,
     ),
 )

@@ -162,6 +162,20 @@ def test_every_published_architecture_has_its_published_size(model_id):
     assert params_b == pytest.approx(SIZES_B[model_id], rel=0.002), params_b
 
 
+@pytest.mark.parametrize("model_id", sorted(UNCHECKED_SIZES))
+def test_the_qwen3_5_rows_have_about_the_size_in_their_name(model_id):
+    """No model card states a finer count, so a gross error only (a wrong depth, width or expert count moves
+    the count by more than 20 %; 4B counts 4.54B with its vision tower and tied head), plus the one value
+    that joins the two towers: the merger's output width is the language model's."""
+    from spmd_grpo.dry_run.counts import count_parameters
+
+    config = PUBLISHED[model_id].published_config(model_id)
+    named_b = float(model_id.split("-")[1].removesuffix("B"))
+    params_b = count_parameters(config).num_params / 1e9
+    assert params_b == pytest.approx(named_b, rel=0.2), params_b
+    assert config.vision_config.out_hidden_size == config.text_config.hidden_size
+
+
 @pytest.mark.parametrize("model_id", ["Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-4B-Instruct"])
 def test_the_small_qwen3_vl_models_dry_run_on_8_nodes(model_id):
     from spmd_grpo.config.loader import load_config
