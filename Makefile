@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: docs install test test-fast test-dist test-engine test-gpu smoke-test smoke-test-lora lint fmt clean
+.PHONY: docs install test test-fast test-dist test-engine test-gpu smoke-test smoke-test-lora smoke-test-moe smoke-test-qwen3_5 lint fmt clean
 
 # --compile-bytecode: uv installs no .pyc files, and where PYTHONDONTWRITEBYTECODE is set Python never writes
 # them, so every process (each test session, each torchrun rank) compiled torch, transformers and vLLM from
@@ -52,6 +52,14 @@ smoke-test: install
 smoke-test-lora: install
 	$(PY) -m spmd_grpo.smoke worker.actor.model.lora.rank=16 worker.actor.model.lora.alpha=32 \
 		worker.actor.optim.lr=5e-4 trainer.experiment_name=smoke_lora
+
+# The same task and criterion on a tiny Qwen3-VL-MoE and a tiny Qwen3.5 (configs/smoke_<family>.yaml);
+# not part of smoke-test or test.
+smoke-test-moe: install
+	$(PY) -m spmd_grpo.smoke --family qwen3_vl_moe
+
+smoke-test-qwen3_5: install
+	$(PY) -m spmd_grpo.smoke --family qwen3_5
 
 # The configuration reference, generated from the config's fields (a unit test fails when it is stale).
 docs: install

@@ -12,7 +12,11 @@ fails: if weight sync, the advantage sign or the loss were wrong (or the learnin
 not rise. Then it prints the reward per step and the validation rows, and writes the curves
 (`spmd_grpo.telemetry.report`) to <run dir>/report.png, printing its path.
 
-    python -m spmd_grpo.smoke [--nproc 2] [--config configs/smoke.yaml] [key=value ...]
+    python -m spmd_grpo.smoke [--nproc 2] [--family qwen2_5_vl] [--config configs/smoke.yaml] [key=value ...]
+
+`--family` trains another family's tiny model (`SMOKE_MODELS`) on the same task with the same criterion, from
+its own config (`configs/smoke_<family>.yaml` unless `--config` names one): `make smoke-test-moe`
+(Qwen3-VL-MoE) and `make smoke-test-qwen3_5` (the hybrid Qwen3.5, bf16 rollout).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import last_wins, load_config
 from spmd_grpo.run.checkpoint_dirs import find_checkpoint
 from spmd_grpo.telemetry.report import write_report
@@ -40,22 +46,37 @@ SMOKE_MODEL = TinyModelSpec(hidden_size=256, intermediate_size=512, num_attentio
 """The smoke task's model: wider than the tests' (64) with its head drawn so logits can move ~10 nats
 (`make_tiny_model._draw_head`), so that LoRA, which leaves the head frozen, can learn the task as full
 fine-tuning does; at width 64 no hidden state can make an answer digit more than ~2 % likely."""
+SMOKE_MODELS: dict[str, TinyModelSpec] = {
+    "qwen2_5_vl": SMOKE_MODEL,
+    # Every layer sparse: 8 experts of width 96, top 2; head_dim 64.
+    "qwen3_vl_moe": replace(SMOKE_MODEL, family="qwen3_vl_moe"),
+    # One Gated DeltaNet layer (2 heads of 128, the only width vLLM's CPU kernel takes) and one full-attention
+    # layer (head_dim 64, 16 of it rotating).
+    "qwen3_5": replace(SMOKE_MODEL, family="qwen3_5"),
+}
+"""The tiny model each `--family` trains; all as wide as the smoke model, with its head draw."""
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--config", default=str(REPO / "configs" / "smoke.yaml"))
+    ap.add_argument("--family", default="qwen2_5_vl", choices=sorted(SMOKE_MODELS))
+    ap.add_argument("--config", default=None, help="default: configs/smoke.yaml, or smoke_<family>.yaml")
     ap.add_argument("--cache", default=str(REPO / ".cache"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
+    args.config = args.config or str(smoke_config(args.family))
     start = time.monotonic()
-    model_dir = cached_tiny_model(args.cache, SMOKE_MODEL)
+    model_dir = cached_tiny_model(args.cache, SMOKE_MODELS[args.family])
     overrides = last_wins(
         [f"worker.actor.model.model_path={model_dir}", "trainer.resume=none", *args.overrides]
     )  # the user's win
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:  # one line naming the key, as the job itself would print it
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a new run: its own curve, no checkpoint to resume
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     png, _ = write_report(cfg.run_dir)
     print(f"curves: {png.resolve()}")
     return code
+
+
+def smoke_config(family: str) -> Path:
+    """The smoke config of `family`: configs/smoke.yaml for the default family, smoke_<family>.yaml else."""
+    return REPO / "configs" / ("smoke.yaml" if family == "qwen2_5_vl" else f"smoke_{family}.yaml")
 
 
 def read_rows(metrics_path: Path) -> list[dict]:

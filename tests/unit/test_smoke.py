@@ -1,8 +1,14 @@
 """The smoke job's pass criterion (`spmd_grpo.smoke.learned_at`, `report`): the mean reward of 5 consecutive
 training steps must reach 0.8 within the run; a run that does not learn (a learning rate of 0 keeps the
-reward where the random policy has it) fails. The job itself is `make smoke-test`."""
+reward where the random policy has it) fails. The job itself is `make smoke-test` (`make smoke-test-moe` and
+`make smoke-test-qwen3_5` for the other families' smoke configs, checked here to load and validate)."""
 
-from spmd_grpo.smoke import TARGET, WINDOW, learned_at, read_rows, report
+import pytest
+
+from spmd_grpo.config.loader import load_config
+from spmd_grpo.config.validate import validate
+from spmd_grpo.models.families import FAMILIES
+from spmd_grpo.smoke import SMOKE_MODELS, TARGET, WINDOW, learned_at, read_rows, report, smoke_config
 
 
 def _rows(scores, key="critic/score/mean", validation_first=True):
@@ -51,3 +57,16 @@ def test_a_row_still_being_written_is_not_read(tmp_path):
     assert read_rows(path) == []
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "crit')
     assert read_rows(path) == [{"step": 1}, {"step": 2}]
+
+
+@pytest.mark.parametrize("family", sorted(SMOKE_MODELS))
+def test_each_family_smoke_config_validates_for_its_model_on_2_ranks(family, tmp_path):
+    """The config `--family` picks loads, validates at world 2 and asks vLLM's CPU build for a dtype it serves
+    the family's tiny model in (Qwen3.5: bf16)."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert SMOKE_MODELS[family].family == family
+    cfg = load_config(smoke_config(family), [f"worker.actor.model.model_path={tmp_path}"])
+    validate(cfg, 2)
+    assert FAMILIES[family].rollout_dtype_error(cfg.worker.rollout.dtype, "cpu") is None
+    assert cfg.trainer.experiment_name.startswith("smoke")
