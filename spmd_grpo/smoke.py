@@ -78,21 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a new run: its own curve, no checkpoint to resume
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "spmd_grpo.launch",
-        f"--nproc_per_node={args.nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
-        "-m",
-        "spmd_grpo.train",
-        args.config,
-        *overrides,
-    ]
+    cmd = launch_command(args.nproc, args.config, overrides)
     print("+", " ".join(cmd), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(cmd, env=env)
@@ -122,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     png, _ = write_report(cfg.run_dir)
     print(f"curves: {png.resolve()}")
     return code
+
+
+def launch_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
+    """The job on `nproc` local ranks (`spmd_grpo.launch`, a free port for the rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    return [sys.executable, "-m", "spmd_grpo.launch", *launch, "-m", "spmd_grpo.train", config, *overrides]
 
 
 def smoke_config(family: str) -> Path:
