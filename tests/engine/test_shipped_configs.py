@@ -50,6 +50,10 @@ RUN_ELSEWHERE = {
     "counts); the DAPO path also runs here with qwen2_5_vl_7b_geo3k_dapo",
     "smoke_video": "smoke.yaml on builtin:video_color: the video path runs here with qwen2_5_vl_7b_video_grpo, "
     "and this config's own run is its learning run (python -m spmd_grpo.smoke --config configs/smoke_video.yaml)",
+    "smoke_qwen3_vl_moe": "smoke.yaml on a tiny Qwen3-VL-MoE: its learning run is make smoke-test-moe; the family "
+    "trains here with qwen3_vl_30b_a3b_geo3k_grpo",
+    "smoke_qwen3_5": "smoke.yaml on a tiny Qwen3.5 with a bf16 engine: its learning run is make smoke-test-qwen3_5; "
+    "the family trains here with qwen3_5_9b_geo3k_grpo and in test_families_grpo.py",
 }
 """Configs validated (tests/unit/test_config.py) but not trained here, each with why and where it is trained
 (each run here costs the tier 15-20 s)."""
