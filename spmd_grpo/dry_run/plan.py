@@ -4,9 +4,9 @@
 
 Validates the config for that world size, builds the model on the meta device (no weights, no download when
 the model id is one of the published architectures of `models/architectures.py` -- Qwen2-VL 2B/7B,
-Qwen2.5-VL 3B/7B/32B/72B, Qwen3-VL 2B/4B/8B/32B, Qwen3-VL-MoE 30B-A3B/235B-A22B, Qwen3.5 9B, Qwen3.5-MoE
-35B-A3B -- and the hub is unreachable), and prints: the mesh layout (TP groups, which rank owns which
-prompts), batch arithmetic, the first batch's tensor shapes, for an MoE model its experts under
+Qwen2.5-VL 3B/7B/32B/72B, Qwen3-VL 2B/4B/8B/32B, Qwen3-VL-MoE 30B-A3B/235B-A22B, Qwen3.5 4B/9B/27B,
+Qwen3.5-MoE 35B-A3B/397B-A17B -- and the hub is unreachable), and prints: the mesh layout (TP groups, which rank
+owns which prompts), batch arithmetic, the first batch's tensor shapes, for an MoE model its experts under
 `worker.actor.fsdp.expert_parallel_size`, and a per-rank memory estimate (`memory.py`, which states what the
 figures assume). The memory figures are ARITHMETIC from parameter counts and config, not measurements:
 activations in particular are an order-of-magnitude estimate.
