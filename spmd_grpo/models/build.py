@@ -149,16 +149,13 @@ def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str, fam
     layout; elsewhere the packed kernel is flash attention's varlen one, which takes one length per sequence
     and cannot give a response its prompt. true: on wherever the batches are packed, with the same sdpa
     function on any device. Never for a family with linear-attention layers (`Family.linear_attention`):
-    the prompt's recurrent state would have to seed each response; nor for a mixture-of-experts family
-    (`Family.moe`), whose per-token routes (recorded, replayed, counted per sample) are laid out per sample."""
-    if family.linear_attention or family.moe:
+    the prompt's recurrent state would have to seed each response. Mixture-of-experts families share: their
+    routes are laid out, recorded and replayed per token of the shared row (actor/routes.py)."""
+    if family.linear_attention:
         if setting is True:
-            why = (
-                "linear-attention layers"
-                if family.linear_attention
-                else "mixture-of-experts routes per sample"
+            raise ValueError(
+                f"worker.actor.shared_prompt=true: {family.name} has linear-attention layers (not supported)"
             )
-            raise ValueError(f"worker.actor.shared_prompt=true: {family.name} has {why} (not supported)")
         return False
     if setting == "auto":
         return packed and device_type == "cpu"

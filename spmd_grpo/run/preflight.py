@@ -119,11 +119,6 @@ def check_family(cfg: Config) -> None:
         f"worker.actor.shared_prompt=true: {family.name} has linear-attention layers, whose recurrent state after "
         "the prompt would have to seed each response (not done); use auto or false",
     )
-    require(
-        not (cfg.worker.actor.shared_prompt is True and family.moe),
-        f"worker.actor.shared_prompt=true: {family.name} is a mixture-of-experts model, whose routes are recorded "
-        "and replayed per sample (not done for the shared layout); use auto or false",
-    )
     ep = cfg.worker.actor.fsdp.expert_parallel_size
     require(
         ep == 1 or family.moe is not None,

@@ -237,7 +237,7 @@ def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> 
     assert all(s.image_features is not None for s in samples)
     out[("reuse",)] = gradient(frozen, samples, reuse, world)
     family = family_of(policy.config)
-    if not (family.moe or family.linear_attention):  # families that never share prompts (models/build.py)
+    if not family.linear_attention:  # hybrid families never share prompts (models/build.py)
         out.update(shared_prompt_cases(policy, processor, spec, world))
     return out
 

@@ -308,6 +308,9 @@ def test_shared_prompt_setting_resolves_per_device_and_family():
     assert shared_prompt_setup("auto", True, "cpu", hybrid) is False
     with pytest.raises(ValueError, match="linear-attention"):
         shared_prompt_setup(True, True, "cpu", hybrid)
+    moe = family_for_type("qwen3_vl_moe")  # routes laid out per token of the shared row
+    assert shared_prompt_setup("auto", True, "cpu", moe) is True
+    assert shared_prompt_setup(True, True, "cuda", moe) is True
     base = ["worker.actor.model.model_path=x", "data.train_files=x"]
     assert load_config(None, base).worker.actor.shared_prompt == "auto"
     with pytest.raises(ConfigError, match="worker.actor.shared_prompt=true needs padding_free"):
