@@ -6,7 +6,7 @@ each sample's routes in its layout, the routers are then perturbed (as an optimi
 so that the replayed experts are not the routers' own choice any more) and the reference pass and the
 update replay them; everything must equal the unshared layout: the recorded routes, old and reference
 logprobs, the update's logprobs, entropy, loss metrics and every parameter's gradient, and the MoE load and
-route-difference counts. Replay `rollout` with a group whose samples disagree on the prompt's routes: the
+route-difference counts and the load-balancing loss. Replay `rollout` with a group whose samples disagree on the prompt's routes: the
 disagreeing sample holds its own copy of the prompt, and the result is still the unshared one. A shared row
 whose routes sit at the wrong tokens must fail the comparison.
 """
@@ -40,7 +40,7 @@ def moe_policy():
     hf = tiny_moe_model("qwen3_vl_moe")
     hf.set_attn_implementation(VARLEN_SDPA)
     policy = PolicyModule(hf, [], chunk_size=5, padding_free=True)
-    policy.moe = install_moe(hf)
+    policy.moe = install_moe(hf, aux_loss_coef=0.01)  # the load-balancing loss in the update, too
     return policy
 
 
@@ -129,6 +129,7 @@ def test_moe_shared_prompt_with_routing_replay_old_equals_unshared(moe_policy, s
     _same((torch.zeros(1), torch.zeros(1), a["grads"]), (torch.zeros(1), torch.zeros(1), b["grads"]))
     assert any(".experts." in n for n in b["grads"]) and any(".gate." in n for n in b["grads"])
     b["sums"].pop("perf/shared_prompt_tokens_saved")
+    assert "actor/router_aux_loss" in a["sums"]
     for name in set(a["sums"]) - {"train/num_micro_batches"}:
         torch.testing.assert_close(
             torch.tensor(b["sums"][name]), torch.tensor(a["sums"][name]), atol=1e-5, rtol=1e-5
