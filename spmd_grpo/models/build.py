@@ -55,11 +55,12 @@ import torch
 from torch import nn
 
 from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, RefConfig
-from spmd_grpo.models.attention import VARLEN_SDPA, varlen_attention
+from spmd_grpo.models.attention import varlen_attention
 from spmd_grpo.models.families import Family, family_of
 from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_adapter_name, target_module_names
 from spmd_grpo.models.moe.install import install_moe, router_aux_loss_coef
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
+from spmd_grpo.models.shared_flex import shared_prompt_attention
 from spmd_grpo.models.weights import load_safetensors_into
 from spmd_grpo.parallel.collectives import World, barrier
 
@@ -146,9 +147,9 @@ def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, s
 def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str, family: Family) -> bool:
     """Whether the passes hold each group's prompt once (`worker.actor.shared_prompt`). auto: on where the
     micro-batches are packed on the CPU, whose varlen sdpa (`attention.VARLEN_SDPA`) computes the shared
-    layout; elsewhere the packed kernel is flash attention's varlen one, which takes one length per sequence
-    and cannot give a response its prompt. true: on wherever the batches are packed, with the same sdpa
-    function on any device. Never for a family with linear-attention layers (`Family.linear_attention`):
+    layout; off on accelerators, whose shared-prompt kernel (`shared_flex.shared_prompt_attention`: flex
+    attention with a block mask on CUDA) is checked against the CPU's on the CPU only, not yet on a GPU.
+    true: on wherever the batches are packed, with that kernel. Never for a family with linear-attention layers (`Family.linear_attention`):
     the prompt's recurrent state would have to seed each response. Mixture-of-experts families share: their
     routes are laid out, recorded and replayed per token of the shared row (actor/routes.py)."""
     if family.linear_attention:
@@ -279,8 +280,8 @@ def build_sharded(
     if model.moe is None and (cfg.moe.routing_replay != "none" or cfg.moe.router_aux_loss_coef):
         log.warning("worker.actor.moe ignored: %s is not a mixture-of-experts model", hf.config.model_type)
     model.shared_prompt = shared_prompt_setup(cfg.shared_prompt, packed, world.device_type, family)
-    if model.shared_prompt and attention != VARLEN_SDPA:
-        hf.set_attn_implementation(VARLEN_SDPA)  # the only kernel here that computes the shared layout
+    if model.shared_prompt:  # flash attention's varlen kernel cannot give a response its prompt
+        hf.set_attn_implementation(shared_prompt_attention(world.device_type))
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)

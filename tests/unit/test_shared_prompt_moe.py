@@ -36,7 +36,11 @@ ORDER = [0, 3, 4, 1, 5, 6, 7, 2]  # A B B A C D D A: group A's samples apart
 
 
 @pytest.fixture(scope="module")
-def moe_policy():
+def moe_policy() -> PolicyModule:
+    return tiny_moe_policy()
+
+
+def tiny_moe_policy() -> PolicyModule:
     hf = tiny_moe_model("qwen3_vl_moe")
     hf.set_attn_implementation(VARLEN_SDPA)
     policy = PolicyModule(hf, [], chunk_size=5, padding_free=True)
