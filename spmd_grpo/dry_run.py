@@ -158,7 +158,7 @@ def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: flo
         f"tie_word_embeddings={hf_config.tie_word_embeddings}",
         *_lora_lines(cfg, model, b),
         *_layout_lines(cfg, b),
-        _shared_prompt_line(cfg, b, family_of(hf_config).linear_attention),
+        _shared_prompt_line(cfg, b),
         _shapes_line(cfg, b.seq, family_of(hf_config).patch_size),
         *_memory_lines(cfg, model, b, device_memory_gb),
     ]
@@ -200,19 +200,16 @@ def _shares_prompt(cfg: Config) -> bool:
     return a.shared_prompt is True and a.padding_free is not False
 
 
-def _shared_prompt_line(cfg: Config, b: _Batches, linear_attention: bool) -> str:
+def _shared_prompt_line(cfg: Config, b: _Batches) -> str:
     """The shared-prompt layout's tokens per group at the longest prompt and response, and whether it is on."""
     d, n = cfg.data, cfg.worker.rollout.n
     p, r = d.max_prompt_length, d.max_response_length
     unshared, shared = n * (p + r), p + n * r
-    on = _shares_prompt(cfg) and not linear_attention
     why = (
         "on"
-        if on
+        if _shares_prompt(cfg)
         else "off on accelerators with auto (on the CPU, auto shares)"
-        if cfg.worker.actor.shared_prompt == "auto" and not linear_attention
-        else "off (linear-attention layers)"
-        if linear_attention
+        if cfg.worker.actor.shared_prompt == "auto"
         else "off"
     )
     return (

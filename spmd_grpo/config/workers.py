@@ -187,11 +187,11 @@ class ActorConfig:
     """Hold each GRPO group's prompt (and its images and videos) once in the old-logprob, reference and
     update passes, followed by its responses, each attending to the prompt and causally to itself: the
     same logprobs and gradients, P + nR tokens per group instead of n(P + R); mixture-of-experts models
-    too (routes follow the shared row). auto: on with the packed layout on the CPU (causal sdpa per length
-    with a prompt prefix), off on accelerators (flash attention's varlen kernel cannot take a shared prefix;
-    the flex-attention kernel that can is not yet checked on a GPU) and for model families with
-    linear-attention layers; true: on with any packed layout (flex attention with a block mask on CUDA,
-    the CPU's sdpa path on Ascend); needs padding_free."""
+    too (routes follow the shared row), and hybrid ones (the prompt's linear-attention state seeds each
+    response). auto: on with the packed layout on the CPU (causal sdpa per length with a prompt prefix), off
+    on accelerators (flash attention's varlen kernel cannot take a shared prefix; the flex-attention kernel
+    that can is not yet checked on a GPU); true: on with any packed layout (flex attention with a block mask
+    on CUDA, the CPU's sdpa path on Ascend); needs padding_free."""
     reuse_image_features: Auto = "auto"
     """Encode each prompt's images once, reused by all its samples: once per step with a frozen tower (every
     trainer pass), once per forward-only pass with a trained one. auto: on unless videos are allowed
