@@ -30,7 +30,8 @@ sdpa over [prompt keys; own keys]):
     and per (P, Rq), with an explicit mask, which rules out the flash kernel inside torch's sdpa).
 
 Where it runs: `shared_prompt_attention` picks it on CUDA, compiled (`torch.compile(flex_attention,
-dynamic=True)`: one compilation for every row length). On the CPU torch runs flex attention's forward
+dynamic=True)`, meant to compile once for all row lengths; no GPU has run it in this project:
+tests/gpu/test_gpu_shared_prompt.py checks it against the gathered sdpa and times both). On the CPU torch runs flex attention's forward
 unfused (the full score matrix) and refuses its backward, so the CPU keeps `attention.VARLEN_SDPA`; the
 CPU tests run this function's forward for real and its backward through torch's reference (math)
 implementation. torch_npu has no flex kernel: Ascend keeps the gathered sdpa. Calls without text positions
