@@ -40,14 +40,18 @@ def collate_samples(
     tower_in_forward: bool = True,
     video_in_forward: bool = False,
     shared_prompt: bool = False,
+    by_routes: bool = False,
 ) -> SequenceBatch:
     """Prompt+response batch of rollout samples on `device`, right-padded or packed (padding-free), with
     their images: the precomputed features where `encode_images` attached them, else the pixels. With
-    `shared_prompt` (packed only), consecutive samples of one prompt hold it once."""
+    `shared_prompt` (packed only), consecutive samples of one prompt (`prompt_groups`, `by_routes`) hold
+    it once."""
     groups = None
     if shared_prompt:
-        keys = [prompt_key(s) for s in samples]
-        groups = [keys.index(k) for k in keys]
+        groups = [0] * len(samples)
+        for g, rows in enumerate(prompt_groups(samples, by_routes=by_routes)):
+            for i in rows:
+                groups[i] = g
     return collate(
         [s.prompt_ids for s in samples],
         [s.response_ids for s in samples],
@@ -69,12 +73,33 @@ def prompt_key(sample: Sample) -> tuple:
     return id(sample.prompt), tuple(sample.prompt_ids)
 
 
-def prompt_groups(samples: list[Sample]) -> list[list[int]]:
-    """Indices of `samples` by prompt (`prompt_key`), groups in the order of their first sample."""
+def prompt_groups(samples: list[Sample], *, by_routes: bool = False) -> list[list[int]]:
+    """Indices of `samples` by prompt (`prompt_key`), groups in the order of their first sample. `by_routes`
+    (MoE routes replayed): a prompt's samples whose routes over the prompt differ are further apart, one
+    group per distinct prompt routing (actor/routes.py: a shared copy is routed one way)."""
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samples):
-        groups.setdefault(prompt_key(s), []).append(i)
+        key = prompt_key(s)
+        if by_routes:
+            key = (*key, _prompt_routing(samples, groups, key, s))
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def _prompt_routing(samples: list[Sample], groups: dict, key: tuple, sample: Sample) -> int:
+    """Which routing of `key`'s prompt `sample` has: the index of the first group of that prompt whose
+    first sample routes the prompt the same way (no routes: equal to no routes only), or a new index."""
+    p = len(sample.prompt_ids)
+    mine = None if sample.routes is None else sample.routes[:p]
+    seen = [k for k in groups if k[:-1] == key]
+    for k in seen:
+        other = samples[groups[k][0]].routes
+        theirs = None if other is None else other[:p]
+        if (mine is None and theirs is None) or (
+            mine is not None and theirs is not None and torch.equal(mine, theirs)
+        ):
+            return k[-1]
+    return len(seen)
 
 
 def uses_shared_prompt(model: nn.Module) -> bool:
@@ -101,6 +126,7 @@ def collate_for(
         "tower_in_forward": spec.tower_in_forward(for_update=for_update),
         "video_in_forward": spec.videos,
         "shared_prompt": uses_shared_prompt(model),
+        "by_routes": replays_routes(spec),
     }
     batch = collate_samples(samples, spec.pad_token_id, device, packed=uses_packing(model), **flags)
     moe = getattr(model, "moe", None)
@@ -109,11 +135,19 @@ def collate_for(
     return batch
 
 
-def shared_prompt_units(samples: list[Sample], budget: int) -> tuple[list[list[int]], list[int]]:
+def replays_routes(spec: UpdateSpec) -> bool:
+    """Whether some pass replays the samples' MoE routes (`worker.actor.moe.routing_replay` old or rollout):
+    then a prompt's samples share one copy only where their prompt routes agree (`prompt_groups`)."""
+    return spec.routing_replay != "none"
+
+
+def shared_prompt_units(
+    samples: list[Sample], budget: int, *, by_routes: bool = False
+) -> tuple[list[list[int]], list[int]]:
     """(units, their token costs) for a token budget with shared prompts: each group's samples, cut into runs
     whose prompt + responses fit `budget` (see the module docstring), the prompt counted once per run."""
     units, costs = [], []
-    for group in prompt_groups(samples):
+    for group in prompt_groups(samples, by_routes=by_routes):
         prompt = len(samples[group[0]].prompt_ids)
         unit, cost = [], prompt
         for i in group:
@@ -240,10 +274,10 @@ def micro_batches(
     if not spec.dynamic_batching:
         size = spec.micro_batch_size if for_update else spec.experience_micro_batch_size
         parts = [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
-        return [_by_group(samples, p) for p in parts] if shared else parts
+        return [_by_group(samples, p, spec) for p in parts] if shared else parts
     budget = spec.max_token_len_for_update if for_update else spec.max_token_len_for_experience
     if shared:
-        units, lengths = shared_prompt_units(samples, budget)
+        units, lengths = shared_prompt_units(samples, budget, by_routes=replays_routes(spec))
     else:
         units, lengths = (
             [[i] for i in range(len(samples))],
@@ -257,10 +291,11 @@ def micro_batches(
     partition = length_sorted_partitions if padded else balanced_partitions
     parts = [p for p in partition(lengths, min(k, len(units))) if p] if units else []
     parts = [[i for u in p for i in units[u]] for p in parts]
-    parts = [_by_group(samples, p) for p in parts] if shared else parts
+    parts = [_by_group(samples, p, spec) for p in parts] if shared else parts
     return parts + [[] for _ in range(k - len(parts))]
 
 
-def _by_group(samples: list[Sample], rows: list[int]) -> list[int]:
+def _by_group(samples: list[Sample], rows: list[int], spec: UpdateSpec) -> list[int]:
     """`rows` reordered so that each prompt's samples are consecutive (groups in order of first appearance)."""
-    return [rows[i] for g in prompt_groups([samples[r] for r in rows]) for i in g]
+    groups = prompt_groups([samples[r] for r in rows], by_routes=replays_routes(spec))
+    return [rows[i] for g in groups for i in g]

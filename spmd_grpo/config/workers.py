@@ -159,8 +159,10 @@ class ActorConfig:
     shared_prompt: Auto = "auto"
     """Hold each group's prompt (and its images and videos) once in the old, reference and update passes,
     its responses attending to it and causally to themselves: the same numbers for P + nR tokens instead of
-    n(P + R). auto: on with the packed layout on the CPU, off on accelerators (flash attention's varlen kernel
-    takes no shared prefix) and for linear-attention families; needs padding_free."""
+    n(P + R), for every family (MoE routes follow the shared row; a hybrid's linear-attention state after the
+    prompt seeds each response). auto: on with the packed layout on the CPU, off on accelerators (flash
+    attention's varlen kernel takes no shared prefix; the flex-attention kernel that does is unchecked on a
+    GPU); true: flex attention with a block mask on CUDA, the CPU's sdpa path elsewhere; needs padding_free."""
     reuse_image_features: Auto = "auto"
     """Encode each prompt's images once for all its samples: once per step with a frozen tower, once per
     forward-only pass with a trained one. auto: on unless worker.rollout.limit_videos > 0."""

@@ -183,7 +183,8 @@ def param_dtype(cfg: Config) -> str:
 
 def shares_prompt(cfg: Config) -> bool:
     """Whether the planned accelerators hold each group's prompt once: `worker.actor.shared_prompt=true` with
-    packed batches (auto shares on the CPU only: flash attention's varlen kernel cannot share a prefix)."""
+    packed batches (auto shares on the CPU only: flash attention's varlen kernel cannot share a prefix, and the
+    flex-attention kernel true selects on CUDA is not yet checked on a GPU)."""
     a = cfg.worker.actor
     return a.shared_prompt is True and a.padding_free is not False
 

@@ -53,7 +53,7 @@ def dry_run(cfg: Config, nnodes: int, nproc_per_node: int, device_memory_gb: flo
         *_lora_lines(cfg, model),
         *_expert_lines(cfg, model, world),
         *_layout_lines(cfg, b),
-        _shared_prompt_line(cfg, b, family_of(hf_config).linear_attention),
+        _shared_prompt_line(cfg, b),
         _shapes_line(cfg, b.seq, family_of(hf_config).patch_size),
         *memory_lines(cfg, model, b, device_memory_gb),
     ]
@@ -141,19 +141,16 @@ def _layout_lines(cfg: Config, b: Batches) -> list[str]:
     ]
 
 
-def _shared_prompt_line(cfg: Config, b: Batches, linear_attention: bool) -> str:
+def _shared_prompt_line(cfg: Config, b: Batches) -> str:
     """The shared-prompt layout's tokens per group at the longest prompt and response, and whether it is on."""
     d, n = cfg.data, cfg.worker.rollout.n
     p, r = d.max_prompt_length, d.max_response_length
     unshared, shared = n * (p + r), p + n * r
-    on = shares_prompt(cfg) and not linear_attention
     why = (
         "on"
-        if on
+        if shares_prompt(cfg)
         else "off on accelerators with auto (on the CPU, auto shares)"
-        if cfg.worker.actor.shared_prompt == "auto" and not linear_attention
-        else "off (linear-attention layers)"
-        if linear_attention
+        if cfg.worker.actor.shared_prompt == "auto"
         else "off"
     )
     return (

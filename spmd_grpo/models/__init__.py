@@ -8,6 +8,7 @@
     lora.py       LoRA adapters (PEFT): which layers, fp32 adapters on a frozen base, init, adapters off
     weights.py    read each rank's slice of a safetensors checkpoint; FSDP -> Hugging Face parameter names
     attention.py  which attention kernel runs packed sequences, and the CPU variable-length sdpa path
+    shared_flex.py  shared-prompt rows on CUDA: flex attention with a block mask (prefix + own causal)
     inputs.py     a micro-batch as the model takes it: padded or packed rows, image inputs, mrope positions
     video_rope.py mrope positions of sequences with videos, by vLLM's rule (transformers 5.19's differs)
     moe/          mixture-of-experts compute and controls: grouped experts, routing replay, load metrics

@@ -16,11 +16,11 @@ response after the first restarts the text positions at the prompt length P inst
 a batch row whose queries are its tokens (padded to the group's longest, Rq) and whose keys are [the P prompt
 keys; its own keys], visible: every prompt key, its own keys causally. Cost per layer and group: P^2 / 2
 scores for the prompt and n x Rq x (P + Rq) for the responses (unshared: n x (P + R)^2 / 2), plus the gathered
-copies of the prompt's keys and values, n x P per head, and a boolean mask of n x Rq x (P + Rq). On
-accelerators the same function runs (torch sdpa with a mask), in place of flash attention's varlen kernel,
-whose `cu_seqlens` give each sequence one length and cannot express a shared prefix; a kernel with separate
-query and key lengths (flash varlen with `cu_seqlens_k`, or flex attention with a block mask) would avoid
-the gathered copies and the mask there, and is not done.
+copies of the prompt's keys and values, n x P per head, and a boolean mask of n x Rq x (P + Rq). On CUDA
+the shared layout runs flex attention with a block mask instead (`shared_flex.FLEX_SHARED`: no gathered
+copies, no per-response mask, one fused call per layer), in place of flash attention's varlen kernel, whose
+`cu_seqlens` give each sequence one length and cannot express a shared prefix; Ascend, without flex
+attention, runs this function.
 
 It is registered with transformers under `VARLEN_SDPA` (an attention function and a mask function) and is
 what `varlen_attention("cpu")` below names. transformers passes the text positions to the attention
@@ -69,11 +69,13 @@ class AttentionPlan:
         return not self.prefixed and len(self.causal) == 1 and self.causal[0][1].numel() == 1
 
 
-def attention_plan(positions: torch.Tensor) -> AttentionPlan:
-    """The plan of a packed row from its text positions [T]. A run of consecutive positions is a segment;
-    one that starts at 0 is a sequence (or a group's prompt followed by its first response), one that starts
-    at P > 0 is a further response of the last sequence that started at 0, whose first P tokens it attends
-    to (the shared-prompt layout of `inputs.collate`). Raises ValueError on a row that is neither."""
+def row_roots(positions: torch.Tensor) -> list[list]:
+    """The sequences of a packed row from its text positions [T]: [start, end, prefix length P or None,
+    [(response start, length), ...]] per sequence that starts at position 0. A run of consecutive positions
+    is a segment; one that starts at 0 is a sequence (or a group's prompt followed by its first response),
+    one that starts at P > 0 is a further response of the last sequence that started at 0, whose first P
+    tokens it attends to (the shared-prompt layout of `inputs.collate`). Raises ValueError on a row that
+    is neither."""
     bounds = sequence_bounds(positions)
     firsts = positions[bounds[:-1]].tolist()
     roots: list[list] = []  # [start, end, prefix length or None, [(response start, length), ...]]
@@ -87,6 +89,12 @@ def attention_plan(positions: torch.Tensor) -> AttentionPlan:
             )
         roots[-1][2] = p
         roots[-1][3].append((a, b - a))
+    return roots
+
+
+def attention_plan(positions: torch.Tensor) -> AttentionPlan:
+    """The plan of a packed row from its text positions [T] (its sequences: `row_roots`)."""
+    roots = row_roots(positions)
     causal: dict[int, list[int]] = {}
     prefixed: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for a, b, p, responses in roots:

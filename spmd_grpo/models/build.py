@@ -55,11 +55,12 @@ import torch
 from torch import nn
 
 from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, RefConfig
-from spmd_grpo.models.attention import VARLEN_SDPA, varlen_attention
-from spmd_grpo.models.families import Family, family_of
+from spmd_grpo.models.attention import varlen_attention
+from spmd_grpo.models.families import family_of
 from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_adapter_name, target_module_names
 from spmd_grpo.models.moe.install import install_moe, router_aux_loss_coef
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
+from spmd_grpo.models.shared_flex import shared_prompt_attention
 from spmd_grpo.models.weights import load_safetensors_into
 from spmd_grpo.parallel.collectives import World, barrier
 
@@ -143,23 +144,15 @@ def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, s
     return packed, kernel or "sdpa"
 
 
-def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str, family: Family) -> bool:
+def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str) -> bool:
     """Whether the passes hold each group's prompt once (`worker.actor.shared_prompt`). auto: on where the
     micro-batches are packed on the CPU, whose varlen sdpa (`attention.VARLEN_SDPA`) computes the shared
-    layout; elsewhere the packed kernel is flash attention's varlen one, which takes one length per sequence
-    and cannot give a response its prompt. true: on wherever the batches are packed, with the same sdpa
-    function on any device. Never for a family with linear-attention layers (`Family.linear_attention`):
-    the prompt's recurrent state would have to seed each response; nor for a mixture-of-experts family
-    (`Family.moe`), whose per-token routes (recorded, replayed, counted per sample) are laid out per sample."""
-    if family.linear_attention or family.moe:
-        if setting is True:
-            why = (
-                "linear-attention layers"
-                if family.linear_attention
-                else "mixture-of-experts routes per sample"
-            )
-            raise ValueError(f"worker.actor.shared_prompt=true: {family.name} has {why} (not supported)")
-        return False
+    layout; off on accelerators, whose shared-prompt kernel (`shared_flex.shared_prompt_attention`: flex
+    attention with a block mask on CUDA) is checked against the CPU's on the CPU only, not yet on a GPU.
+    true: on wherever the batches are packed, with that kernel. Every family shares: a mixture-of-experts
+    model's routes are laid out, recorded and replayed per token of the shared row (actor/routes.py), a
+    hybrid model's linear-attention layers run each prompt once and seed its responses with its final state
+    (linear_attention.py)."""
     if setting == "auto":
         return packed and device_type == "cpu"
     return bool(setting) and packed
@@ -281,9 +274,9 @@ def build_sharded(
     model.moe = install_moe(hf, aux_loss_coef=aux_coef)  # grouped experts and replay-aware routers
     if model.moe is None and (cfg.moe.routing_replay != "none" or cfg.moe.router_aux_loss_coef):
         log.warning("worker.actor.moe ignored: %s is not a mixture-of-experts model", hf.config.model_type)
-    model.shared_prompt = shared_prompt_setup(cfg.shared_prompt, packed, world.device_type, family)
-    if model.shared_prompt and attention != VARLEN_SDPA:
-        hf.set_attn_implementation(VARLEN_SDPA)  # the only kernel here that computes the shared layout
+    model.shared_prompt = shared_prompt_setup(cfg.shared_prompt, packed, world.device_type)
+    if model.shared_prompt:  # flash attention's varlen kernel cannot give a response its prompt
+        hf.set_attn_implementation(shared_prompt_attention(world.device_type))
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)

@@ -96,9 +96,9 @@ class Family:
     moe: MoE | None = None
     """The sparse MLP of a mixture-of-experts language model (None: dense MLPs)."""
     linear_attention: LinearAttention | None = None
-    """Gated DeltaNet layers mixed with full-attention layers (Qwen3.5; None: full attention everywhere). A
-    shared prompt would need the prompt's final recurrent state to seed each response, which is not done:
-    shared prompts are off for such a family (`worker.actor.shared_prompt`)."""
+    """Gated DeltaNet layers mixed with full-attention layers (Qwen3.5; None: full attention everywhere). With
+    shared prompts the prompt's final recurrent and convolution state seeds each response
+    (`linear_attention.py`)."""
     video_timestamps: bool = False
     """Each temporal patch of a video is its own frame group behind a timestamp in the text (the Qwen3
     generation); its mrope positions are laid out per frame group (`video_rope_index(frames_split=...)`)."""

@@ -84,6 +84,19 @@ class SequenceBatch:
         flags = {f: getattr(self, f) for f in kept[1:]}
         return SequenceBatch(**fields, image_features=feats, **flags)
 
+    def token_copies(self) -> torch.Tensor | None:
+        """[T] float, packed with a shared prompt: how many of the batch's sequences each column stands
+        for (a group's prompt: its samples here; a response: 1); None when every prompt is in the row."""
+        if self.shares_prompt is None or not self.shares_prompt.any():
+            return None
+        copies = torch.ones(self.input_ids.shape[1], dtype=torch.float64)
+        _, response_starts, prompt_ends = self.segments()
+        prompts = self.prompt_lengths.tolist()
+        for i, s in enumerate(self.shares_prompt.tolist()):
+            if s:
+                copies[prompt_ends[i] - prompts[i] : prompt_ends[i]] += 1
+        return copies.to(self.input_ids.device)
+
     @property
     def response_lengths(self) -> list[int]:
         return self.response_mask.sum(1).long().tolist()

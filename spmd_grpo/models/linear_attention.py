@@ -17,42 +17,105 @@ sequence), and the layer's forward then runs the sequences as a batch per distin
 grouping as the varlen attention path) and puts the outputs back in row order. A padded batch (no restart
 in its positions, or no positions) runs the layer unchanged. With a varlen kernel installed (CUDA with
 flash-linear-attention) this costs a few gathers per layer; it keeps the CPU exact.
+
+Shared prompts (`inputs.collate`: a group's prompt once, its responses after it, each response after the
+first restarting its text positions at the prompt length P; `attention.row_roots` reads that): the prompt
+runs once, and its final state seeds every response of the group, as the prompt's tokens would in the
+unshared sequence. The state is the recurrent delta-rule state after the prompt and the causal
+convolution's last inputs (its kernel's width) of the prompt; both are handed to the layer through
+transformers' own continuation path (a cache with a previous state: the convolution reads the kept inputs
+as left context, the chunked delta rule starts from the kept state), by `_PromptState`, a stand-in for
+transformers' linear-attention cache that keeps the states in the autograd graph (the cache's in-place
+buffers would not), so the prompt receives every response's gradient through its state. Cost per layer:
+the prompt's P tokens once and the n responses' R tokens each, instead of n (P + R); prompts of one length
+run as one batch, responses of one length as another (each with its group's state). The delta rule's chunks
+(64 tokens) then start at the response instead of at the sequence start: equal in exact arithmetic, within
+fp32 rounding here (tests/unit/test_shared_prompt_moe.py, Qwen3.5-MoE).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from types import SimpleNamespace
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from spmd_grpo.models.attention import sequence_bounds
+from spmd_grpo.models.attention import row_roots
 
 
-def _grouped_by_length(bounds: list[int]) -> dict[int, list[int]]:
-    """{sequence length: the starts of the sequences of that length}."""
-    groups: dict[int, list[int]] = {}
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        groups.setdefault(b - a, []).append(a)
-    return groups
+class _PromptState:
+    """What a Gated DeltaNet layer reads from and writes to transformers' linear-attention cache, for one
+    call: empty, it keeps the call's final convolution inputs [m, C, kernel] and recurrent state (a
+    prompt's); given them, it hands them to the call as the previous state (its responses'). Every tensor
+    stays in the autograd graph."""
+
+    def __init__(self, conv: torch.Tensor | None = None, recurrent: torch.Tensor | None = None) -> None:
+        self.conv, self.final_conv, self.final_recurrent = conv, None, None
+        # record_past: transformers' path that concatenates the kept inputs (no in-place single-token step)
+        layer = SimpleNamespace(record_past=True, conv_states=[conv], recurrent_states=[recurrent])
+        self.layers = defaultdict(lambda: layer)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int = 0) -> bool:
+        return self.conv is not None
+
+    def update_conv_state(
+        self, inputs: torch.Tensor, layer_idx: int, conv_kernel_size: int, **_
+    ) -> torch.Tensor:
+        full = inputs if self.conv is None else torch.cat([self.conv, inputs], dim=-1)
+        self.final_conv = F.pad(full, (max(conv_kernel_size - full.shape[-1], 0), 0))[..., -conv_kernel_size:]
+        return full
+
+    def update_recurrent_state(self, state: torch.Tensor, layer_idx: int, **_) -> torch.Tensor:
+        self.final_recurrent = state
+        return state
 
 
 def _split_forward(layer: nn.Module, forward):
-    """`forward` of a Gated DeltaNet `layer`, run per packed sequence when its decoder layer saw restarts."""
+    """`forward` of a Gated DeltaNet `layer`, run per packed sequence when its decoder layer saw restarts,
+    each shared prompt once with its final state seeding its responses (the module docstring)."""
 
     def packed_forward(hidden_states: torch.Tensor, *args, **kwargs):
         positions = layer.__dict__.pop("_packed_positions", None)
         if positions is None or hidden_states.shape[0] != 1 or kwargs.get("cache_params") is not None:
             return forward(hidden_states, *args, **kwargs)
-        bounds = sequence_bounds(positions.reshape(-1))
-        if len(bounds) == 2:
+        roots = row_roots(positions.reshape(-1))
+        if len(roots) == 1 and roots[0][2] is None:
             return forward(hidden_states, *args, **kwargs)
         kwargs["attention_mask"] = None  # a packed row has none; each group is unpadded
+        plain: dict[int, list[int]] = {}  # length -> starts of whole sequences
+        prompts: dict[int, list[int]] = {}  # prompt length -> its groups (indexes of `roots`)
+        responses: dict[
+            int, list[tuple[int, int]]
+        ] = {}  # length -> (start, group) of shared-prompt responses
+        for g, (start, end, prefix, rest) in enumerate(roots):
+            if prefix is None:
+                plain.setdefault(end - start, []).append(start)
+                continue
+            prompts.setdefault(prefix, []).append(g)
+            first = [(start + prefix, end - start - prefix)] if end - start > prefix else []
+            for r, n in [*first, *rest]:
+                responses.setdefault(n, []).append((r, g))
         outputs, order = [], []
-        for n, starts in _grouped_by_length(bounds).items():
+
+        def run(starts: list[int], n: int, state: _PromptState | None = None) -> None:
             device = hidden_states.device
             index = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).flatten()
             group = hidden_states[0].index_select(0, index).unflatten(0, (len(starts), n))  # [m, n, H]
-            outputs.append(forward(group, *args, **kwargs).flatten(0, 1))
+            outputs.append(forward(group, *args, **{**kwargs, "cache_params": state}).flatten(0, 1))
             order.append(index)
+
+        for n, starts in plain.items():
+            run(starts, n)
+        seeds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for p, groups in prompts.items():
+            state = _PromptState()
+            run([roots[g][0] for g in groups], p, state)
+            seeds.update((g, (state.final_conv[j], state.final_recurrent[j])) for j, g in enumerate(groups))
+        for n, items in responses.items():
+            conv, recurrent = (torch.stack([seeds[g][k] for _, g in items]) for k in (0, 1))
+            run([r for r, _ in items], n, _PromptState(conv, recurrent))
         return torch.cat(outputs).index_select(0, torch.argsort(torch.cat(order))).unsqueeze(0)
 
     return packed_forward

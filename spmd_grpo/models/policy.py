@@ -194,7 +194,13 @@ class PolicyModule(nn.Module):
         valid = batch.input_ids.new_ones(batch.input_ids.numel(), dtype=torch.bool)
         if batch.attention_mask is not None:
             valid = batch.attention_mask.reshape(-1).bool()
-        self.moe.begin(valid, batch.routes, replay=batch.replay_routes, pass_name=batch.route_pass)
+        self.moe.begin(
+            valid,
+            batch.routes,
+            replay=batch.replay_routes,
+            pass_name=batch.route_pass,
+            copies=batch.token_copies() if batch.packed else None,
+        )
 
     def _idle_tower(self, device: torch.device, encode) -> torch.Tensor:
         """The vision tower run on a dummy image (`encode`: the model's `get_image_features`, or

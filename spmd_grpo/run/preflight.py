@@ -103,8 +103,8 @@ def check_reward_imports(cfg: Config) -> None:
 def check_family(cfg: Config) -> None:
     """A model whose family is not supported stops here, naming the key and the supported families; so does
     a checkpoint config the family cannot train (`Family.checkpoint_config_error`), a rollout dtype vLLM
-    cannot serve the family in on this device (Qwen3.5 on CPU: bfloat16 only), and shared prompts forced on
-    for a family with linear-attention layers."""
+    cannot serve the family in on this device (Qwen3.5 on CPU: bfloat16 only), and an expert-parallel size
+    the model's experts do not allow."""
     from spmd_grpo.models.families import family_of_model_path
 
     model_path = cfg.worker.actor.model.model_path
@@ -114,16 +114,6 @@ def check_family(cfg: Config) -> None:
         raise ConfigError(f"worker.actor.model.model_path={model_path!r}: {e}") from None
     if family is None:
         return
-    require(
-        not (cfg.worker.actor.shared_prompt is True and family.linear_attention),
-        f"worker.actor.shared_prompt=true: {family.name} has linear-attention layers, whose recurrent state after "
-        "the prompt would have to seed each response (not done); use auto or false",
-    )
-    require(
-        not (cfg.worker.actor.shared_prompt is True and family.moe),
-        f"worker.actor.shared_prompt=true: {family.name} is a mixture-of-experts model, whose routes are recorded "
-        "and replayed per sample (not done for the shared layout); use auto or false",
-    )
     ep = cfg.worker.actor.fsdp.expert_parallel_size
     require(
         ep == 1 or family.moe is not None,

@@ -237,7 +237,9 @@ def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> 
     assert all(s.image_features is not None for s in samples)
     out[("reuse",)] = gradient(frozen, samples, reuse, world)
     family = family_of(policy.config)
-    if not (family.moe or family.linear_attention):  # families that never share prompts (models/build.py)
+    # The shared-prompt cases under FSDP: the dense family's job (the MoE and hybrid layouts: unit tests,
+    # tests/unit/test_shared_prompt_moe.py)
+    if not (family.moe or family.linear_attention):
         out.update(shared_prompt_cases(policy, processor, spec, world))
     return out
 

@@ -145,14 +145,9 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["worker.reward.reward_function=ROOT/syntax_error.py:fn"], "worker.reward.reward_function"),
     (["trainer.resume=ROOT/run/checkpoints/global_step_7"], "trainer.resume"),
     (["worker.actor.model.model_path=ROOT/no_tokenizer"], "worker.actor.model.model_path"),
-    # the new families: vLLM CPU serves Qwen3.5 in bf16 only; no shared prompts for hybrid or MoE models;
+    # the new families: vLLM CPU serves Qwen3.5 in bf16 only;
     # an MoE checkpoint whose top-k normalisation vLLM would apply differently from transformers
     (["worker.actor.model.model_path=ROOT/qwen3_5"], "worker.rollout.dtype"),
-    (
-        ["worker.actor.model.model_path=ROOT/qwen3_5", f"{R}dtype=bfloat16", f"{A}shared_prompt=true"],
-        f"{A}shared_prompt=true: Qwen3.5 has linear-attention layers",
-    ),
-    (["worker.actor.model.model_path=ROOT/qwen3_vl_moe", f"{A}shared_prompt=true"], f"{A}shared_prompt=true"),
     (["worker.actor.model.model_path=ROOT/moe_no_renorm"], "norm_topk_prob"),
     (
         ["worker.actor.model.model_path=ROOT/moe_8_experts"],

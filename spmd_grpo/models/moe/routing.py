@@ -18,6 +18,9 @@ Every forward also
   * counts, against the given routes, how many of the router's own top-k choices are not among them
     (`moe/route_diff/<pass>`: a decision = one (token, layer, slot));
   * counts tokens per expert per layer (`moe/load_*`) over the valid tokens;
+  * weighs every count (and the load-balancing terms below) by the sequences a token stands for
+    (`MoEState.begin`'s `copies`): a prompt held once for its group's n samples counts n times, so a
+    shared-prompt forward reports what the unshared one does;
   * with `aux_loss_coef` > 0, accumulates the Switch-Transformer load-balancing terms (transformers'
     `load_balancing_loss_func`: E x sum_e f_e P_e, f_e the fraction of top-k slots given to expert e and
     P_e its mean router probability, over all MoE layers' valid tokens).
@@ -44,6 +47,7 @@ class Routes:
     """What one forward of the model gives its routers and gets back from them (held by `MoEState`)."""
 
     valid: torch.Tensor  # [T] bool: real tokens (not padding)
+    copies: torch.Tensor  # [T] float64: the sequences each token stands for (0 on padding; see `begin`)
     given: torch.Tensor | None = None  # [T, Y, K] long, NO_ROUTE where none: the reference routes
     replay: bool = False  # use `given` (else only compare with it)
     recorded: torch.Tensor | None = None  # [T, Y, K] int16, filled by each MoE layer (NO_ROUTE: dense layer)
@@ -65,11 +69,24 @@ class MoEState:
     diff: dict[str, torch.Tensor] = field(default_factory=dict)  # pass -> [differing, compared] float64
     aux_terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
-    def begin(self, valid: torch.Tensor, given: torch.Tensor | None, *, replay: bool, pass_name: str) -> None:
-        """Set up the next forward of the model (its valid-token mask [T] and routes [T, Y, K] or None)."""
+    def begin(
+        self,
+        valid: torch.Tensor,
+        given: torch.Tensor | None,
+        *,
+        replay: bool,
+        pass_name: str,
+        copies: torch.Tensor | None = None,
+    ) -> None:
+        """Set up the next forward of the model (its valid-token mask [T] and routes [T, Y, K] or None).
+        `copies` [T]: how many sequences each token stands for (a shared prompt's tokens: its group's
+        samples in the batch; None: 1 each). The load counts, the route differences and the load-balancing
+        terms weigh each token by it, so they equal those of the unshared layout, where each sample
+        computes its own copy of the prompt."""
         shape = (valid.numel(), self.num_layers, self.top_k)
         recorded = torch.full(shape, NO_ROUTE, dtype=torch.int16, device=valid.device)
-        self.routes = Routes(valid, given, replay, recorded)
+        weight = valid.double() if copies is None else valid.double() * copies.to(valid.device, torch.float64)
+        self.routes = Routes(valid, weight, given, replay, recorded)
         self.pass_name = pass_name
         self.aux_terms.clear()
 
@@ -100,13 +117,15 @@ def _first_run(router: nn.Module, routes: Routes, own: torch.Tensor) -> None:
     """Record, count load, differences and the aux loss for this layer's first run in this forward."""
     state, layer = router.moe_state, router.moe_layer
     routes.seen.add(layer)
-    valid = routes.valid
+    copies = routes.copies
     if routes.given is not None:
         given = routes.given[:, layer]
-        compared = valid & (given >= 0).all(-1)
-        sums = torch.stack([_not_in(own, given)[compared].sum(), compared.sum() * state.top_k]).double()
+        compared = copies * (given >= 0).all(-1)
+        sums = torch.stack([(_not_in(own, given).sum(-1) * compared).sum(), compared.sum() * state.top_k])
         state.diff[state.pass_name] = state.diff.get(state.pass_name, 0) + sums
-    counts = torch.bincount(routes_used(routes, layer, own)[valid].reshape(-1), minlength=state.num_experts)
+    used = routes_used(routes, layer, own).reshape(-1)
+    weights = copies.repeat_interleave(state.top_k)
+    counts = torch.bincount(used, weights=weights, minlength=state.num_experts)
     if state.load is None:
         state.load = torch.zeros(state.num_layers, state.num_experts, dtype=torch.float64, device=own.device)
     state.load[layer] += counts.double()
@@ -137,14 +156,14 @@ def routed_forward(router: nn.Module, hidden_states: torch.Tensor):
         _first_run(router, routes, own)
         chosen = routes_used(routes, layer, own)
         if state.aux_loss_coef > 0 and torch.is_grad_enabled():
-            _aux_terms(state, routes.valid, probs, chosen)
+            _aux_terms(state, routes.copies, probs, chosen)
     weights = probs.gather(1, chosen)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(logits.dtype), chosen
 
 
-def _aux_terms(state: MoEState, valid: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> None:
-    mask = valid.to(probs.dtype)
+def _aux_terms(state: MoEState, copies: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+    mask = copies.to(probs.dtype)
     counts = torch.zeros(state.num_experts, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(chosen.shape[1]))
     state.aux_terms.append((counts, (probs * mask[:, None]).sum(0), mask.sum()))
