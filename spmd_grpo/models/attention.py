@@ -139,8 +139,9 @@ def _cpu_sdpa(module: torch.nn.Module, query, key, value, mask, **kwargs) -> tor
     Why: torch's CPU flash-attention backward is slower in bf16 than in fp32 on the short calls of a packed
     micro-batch (its sequences, or a shared prompt and its responses), on a CPU with AVX-512 BF16 and no AMX.
     Measured there (2 threads): a 55-token prompt plus 4 responses of 64 tokens, 8 heads of 64, forward +
-    backward 3.78 ms in bf16, 2.33 ms attended in fp32; in the bf16 update of benchmarks/bare_limit.py the
-    attention backward took 1.48 s of 7.4 s in bf16 and 0.85 s in fp32, the forward 0.42 s either way. At
+    backward 3.78 ms in bf16, 2.33 ms attended in fp32; in a bf16 update of benchmarks/bare_limit.py's
+    workload (benchmarks/step_throughput.py --update-ratio, profiled) the attention backward took 1.48 s of
+    7.4 s in bf16 and 0.85 s in fp32, the forward 0.42 s either way. At
     762 keys (a 634-token prompt and 128-token responses) the two are equal (53 and 55 ms), hence the bound.
     """
     dtype = query.dtype
