@@ -135,6 +135,30 @@ def _cached_plan(positions: torch.Tensor) -> AttentionPlan:
     return plan
 
 
+FP32_ATTENTION_MAX_KEYS = 512
+"""On the CPU, a bf16/fp16 sdpa call over at most this many keys runs in fp32 (see `_cpu_sdpa`)."""
+
+
+def _cpu_sdpa(module: torch.nn.Module, query, key, value, mask, **kwargs) -> torch.Tensor:
+    """transformers' sdpa, [B, T, heads, head_dim] out in the inputs' dtype. On the CPU, bf16/fp16 inputs over
+    at most `FP32_ATTENTION_MAX_KEYS` keys are attended in fp32 and the output cast back: the result differs
+    from the reduced-precision kernel's by rounding only.
+
+    Why: torch's CPU flash-attention backward is slower in bf16 than in fp32 on the short calls of a packed
+    micro-batch (its sequences, or a shared prompt and its responses), on a CPU with AVX-512 BF16 and no AMX.
+    Measured there (2 threads): a 55-token prompt plus 4 responses of 64 tokens, 8 heads of 64, forward +
+    backward 3.78 ms in bf16, 2.33 ms attended in fp32; in a bf16 update of benchmarks/bare_limit.py's
+    workload (benchmarks/step_throughput.py --update-ratio, profiled) the attention backward took 1.48 s of
+    7.4 s in bf16 and 0.85 s in fp32, the forward 0.42 s either way. At
+    762 keys (a 634-token prompt and 128-token responses) the two are equal (53 and 55 ms), hence the bound.
+    """
+    dtype = query.dtype
+    short = key.shape[2] <= FP32_ATTENTION_MAX_KEYS
+    if query.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and short:
+        query, key, value = query.float(), key.float(), value.float()
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0].to(dtype)
+
+
 def varlen_sdpa_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -163,14 +187,14 @@ def varlen_sdpa_forward(
         index = (starts[:, None] + torch.arange(n, device=query.device)).flatten()
         # [1, heads, m * n, head_dim] -> [m, heads, n, head_dim]: the m sequences of length n as a batch
         pick = lambda t: t.index_select(2, index).unflatten(2, (len(starts), n)).squeeze(0).transpose(0, 1)  # noqa: E731, B023
-        out = sdpa_attention_forward(module, pick(query), pick(key), pick(value), None, **kwargs)[0]
+        out = _cpu_sdpa(module, pick(query), pick(key), pick(value), None, **kwargs)
         outputs.append(out.flatten(0, 1))  # [m * n, heads, head_dim]
         order.append(index)
     for _, _, q_index, k_index, mask, valid in plan.prefixed:
         # [1, heads, T, head_dim] -> [m, heads, rows of the index, head_dim]
         pick = lambda t, i: t.index_select(2, i.flatten()).unflatten(2, i.shape).squeeze(0).transpose(0, 1)  # noqa: E731
         kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
-        out = sdpa_attention_forward(
+        out = _cpu_sdpa(
             module,
             pick(query, q_index),
             pick(key, k_index),
@@ -178,7 +202,7 @@ def varlen_sdpa_forward(
             mask,
             is_causal=False,
             **kw,
-        )[0]
+        )
         outputs.append(out.flatten(0, 1)[valid])  # [valid response tokens, heads, head_dim]
         order.append(q_index.flatten()[valid])
     rows = torch.cat(outputs).index_select(0, torch.argsort(torch.cat(order)))

@@ -371,3 +371,20 @@ def test_image_feature_reuse_is_decided_once_in_the_update_spec(overrides, famil
     # Every pass reads it: the update's forwards encode unless features were made for the whole step.
     assert spec.tower_in_forward(for_update=True) == (expected != "per_step")
     assert spec.tower_in_forward(for_update=False) == (expected == "in_forward")
+
+
+def test_short_cpu_attention_in_bf16_is_computed_in_fp32_and_long_stays_bf16():
+    """The varlen path's sdpa calls on the CPU: bf16 inputs over few keys attend in fp32 (the output cast
+    back to bf16), over more keys than `FP32_ATTENTION_MAX_KEYS` in bf16 as given."""
+    module = torch.nn.Module()
+    gen = torch.Generator().manual_seed(0)
+    for keys, upcast in [
+        (attention_module.FP32_ATTENTION_MAX_KEYS, True),
+        (attention_module.FP32_ATTENTION_MAX_KEYS + 1, False),
+    ]:
+        q, k, v = (torch.randn(2, 4, keys, 16, generator=gen).to(torch.bfloat16) for _ in range(3))
+        out = attention_module._cpu_sdpa(module, q, k, v, None, is_causal=True)
+        c = (lambda t: t.float()) if upcast else (lambda t: t)
+        want = torch.nn.functional.scaled_dot_product_attention(c(q), c(k), c(v), is_causal=True)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, want.transpose(1, 2).to(torch.bfloat16))
