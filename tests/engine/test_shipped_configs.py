@@ -1,5 +1,7 @@
 """Every shipped config runs: each `configs/*.yaml` (found by glob, so a new file is covered without a
-change here) trains 2 steps under real torchrun with 2 ranks, FSDP2 and the real vLLM CPU engine.
+change here) trains 2 steps under real torchrun with 2 ranks, FSDP2 and the real vLLM CPU engine, through the
+real entry point; the configs are trained in turn in one launch (tests/jobs/train_in_turn.py), so torch,
+transformers and vLLM start once for all of them.
 
 Only what cannot exist on this machine is swapped, and only what would take hours is scaled down, all in
 one place (`SCALE_DOWN`, `FIXED`, `_swapped`); everything else runs as the file says: the algorithm, DAPO's
@@ -235,16 +237,25 @@ def _swapped(cfg: Config, tmp_path: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- test
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_shipped_config_trains_two_steps(config: Path, tmp_path: Path):
-    original = load_config(config)
-    overrides = _swapped(original, tmp_path) + _scaled(original)
-    cfg = load_config(config, overrides)
-    validate(cfg, WORLD_SIZE)  # a scaled size that breaks a divisibility rule fails here, naming the key
-    torchrun(
-        ["-m", "spmd_grpo.train", str(config.relative_to(REPO)), *overrides], nproc=WORLD_SIZE, timeout=1200
-    )
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[Path, Config]:
+    """config file -> the resolved config of its run. Every config of CONFIGS is trained in one launch
+    (tests/jobs/train_in_turn.py: the real entry point for each in turn, one start-up for all of them)."""
+    job, resolved = ["tests/jobs/train_in_turn.py"], {}
+    for config in CONFIGS:
+        original = load_config(config)
+        overrides = _swapped(original, tmp_path_factory.mktemp(config.stem)) + _scaled(original)
+        cfg = load_config(config, overrides)
+        validate(cfg, WORLD_SIZE)  # a scaled size that breaks a divisibility rule fails here, naming the key
+        job += ["--run", str(config.relative_to(REPO)), *overrides]
+        resolved[config] = cfg
+    torchrun(job, nproc=WORLD_SIZE, timeout=3600)
+    return resolved
 
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_shipped_config_trains_two_steps(config: Path, trained: dict[Path, Config]):
+    original, cfg = load_config(config), trained[config]
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == ([0] if cfg.trainer.val_before_train else []) + [1, 2]
     if cfg.trainer.val_before_train:
