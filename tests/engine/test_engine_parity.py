@@ -23,7 +23,7 @@ from transformers import AutoProcessor
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.config.workers import RolloutConfig
 from spmd_grpo.data.prompts import processor_sizes
-from tests.conftest import tiny_model, torchrun
+from tests.conftest import own_output, tiny_model, torchrun
 from tests.jobs.common import VIDEO_DATA
 from tests.jobs.engine_parity import CASE_MARK
 
@@ -66,12 +66,6 @@ def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
     return job + (["--trust-remote-code"] if tp == 2 and tied else [])
 
 
-def _own_output(text: str, i: int) -> str:
-    """Case `i`'s part of one stream of a launch: from its marker to the next case's (each rank prints both)."""
-    start, end = text.find(f"{CASE_MARK} {i}\n"), text.find(f"{CASE_MARK} {i + 1}\n")
-    return text[start : end if end >= 0 else len(text)]
-
-
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
     """`parity_runs(case)` -> (out.json path, the console output of that case): the first request of a TP-1
@@ -87,7 +81,7 @@ def parity_runs(tmp_path_factory):
                 job += ["--case", *_case_args(*c, out)]
             proc = torchrun(job, timeout=1800)
             for i, (c, out) in enumerate(zip(batch, outs, strict=True)):
-                done[c] = (out, _own_output(proc.stdout, i) + _own_output(proc.stderr, i))
+                done[c] = (out, own_output(proc.stdout, CASE_MARK, i) + own_output(proc.stderr, CASE_MARK, i))
         return done[case]
 
     return get

@@ -1,7 +1,7 @@
 """Every shipped config runs: each `configs/*.yaml` (found by glob, so a new file is covered without a
 change here) trains 2 steps under real torchrun with 2 ranks, FSDP2 and the real vLLM CPU engine, through the
-real entry point; the configs are trained in turn in one launch (tests/jobs/train_in_turn.py), so torch,
-transformers and vLLM start once for all of them.
+real entry point. The runs share one launch with the session's other training runs (the `trained` fixture:
+tests/jobs/train_in_turn.py), so torch, transformers and vLLM start once for all of them.
 
 Only what cannot exist on this machine is swapped, and only what would take hours is scaled down, all in
 one place (`SCALE_DOWN`, `FIXED`, `_swapped`); everything else runs as the file says: the algorithm, DAPO's
@@ -30,7 +30,7 @@ import json
 import math
 import random
 import shutil
-from functools import reduce
+from functools import partial, reduce
 from pathlib import Path
 
 import pytest
@@ -42,7 +42,7 @@ from spmd_grpo.config.validate import validate
 from spmd_grpo.data.synthetic import write_parquet
 from spmd_grpo.models.families import PUBLISHED
 from spmd_grpo.tools.make_tiny_model import save_model
-from tests.conftest import CACHE, REPO, tiny_model, torchrun
+from tests.conftest import CACHE, REPO, tiny_model, trainer_run
 
 RUN_ELSEWHERE = {
     "smoke": "trained by tests/engine/test_launch.py (3 steps on 4 ranks, every metric) and test_families_grpo.py "
@@ -237,25 +237,22 @@ def _swapped(cfg: Config, tmp_path: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- test
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict[Path, Config]:
-    """config file -> the resolved config of its run. Every config of CONFIGS is trained in one launch
-    (tests/jobs/train_in_turn.py: the real entry point for each in turn, one start-up for all of them)."""
-    job, resolved = ["tests/jobs/train_in_turn.py"], {}
-    for config in CONFIGS:
-        original = load_config(config)
-        overrides = _swapped(original, tmp_path_factory.mktemp(config.stem)) + _scaled(original)
-        cfg = load_config(config, overrides)
-        validate(cfg, WORLD_SIZE)  # a scaled size that breaks a divisibility rule fails here, naming the key
-        job += ["--run", str(config.relative_to(REPO)), *overrides]
-        resolved[config] = cfg
-    torchrun(job, nproc=WORLD_SIZE, timeout=3600)
-    return resolved
+def _arguments(config: Path, work: Path) -> list[str]:
+    original = load_config(config)
+    overrides = _swapped(original, work) + _scaled(original)
+    # A scaled size that breaks a divisibility rule fails here, naming the key, before the launch.
+    validate(load_config(config, overrides), WORLD_SIZE)
+    return [str(config.relative_to(REPO)), *overrides]
+
+
+RUNS = {c: trainer_run(c.stem, __file__, partial(_arguments, c)) for c in CONFIGS}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_shipped_config_trains_two_steps(config: Path, trained: dict[Path, Config]):
-    original, cfg = load_config(config), trained[config]
+def test_shipped_config_trains_two_steps(config: Path, trained):
+    work, _ = trained(RUNS[config])
+    original = load_config(config)
+    cfg = load_config(config, _swapped(original, work) + _scaled(original))
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == ([0] if cfg.trainer.val_before_train else []) + [1, 2]
     if cfg.trainer.val_before_train:

@@ -20,6 +20,8 @@ import sys
 from spmd_grpo.train import main as train
 from tests.jobs.common import new_process_group
 
+RUN_MARK = "train_in_turn: run"
+
 
 def runs(argv: list[str]) -> list[list[str]]:
     """The arguments of each `--run`."""
@@ -44,7 +46,8 @@ def main() -> None:
                 handler.close()
             gc.collect()  # the previous run's policy, reference and engine
             new_process_group(f"train_in_turn_run{i}")
-        print(f"train_in_turn: run {i}: {' '.join(argv)}", file=sys.stderr, flush=True)
+        for stream in (sys.stdout, sys.stderr):  # a test reads each run's own console
+            print(f"{RUN_MARK} {i}", file=stream, flush=True)
         train(argv)
 
 
