@@ -250,7 +250,7 @@ def trained(request, tmp_path_factory):
             work = {n: tmp_path_factory.mktemp(n) for n in names}
             job = ["tests/jobs/train_in_turn.py"]
             for n in names:
-                job += ["--run", *TRAINER_RUNS[n][1](work[n])]
+                job += ["--train", *TRAINER_RUNS[n][1](work[n])]
             cmd, env = torchrun_command(job)
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
             if proc.returncode != 0:

@@ -30,7 +30,7 @@ from tests.conftest import REPO, torchrun, torchrun_command
 
 # Figures that depend on wall time or memory, not on the computation.
 VOLATILE = ("timing_s/", "perf/")
-MAX_STEPS = 8  # the runs are stopped by SIGTERM after step 4; the LR schedule spans this many steps
+MAX_STEPS = 20  # never reached: the runs are stopped by SIGTERM after step 4 (the LR schedule spans 20 steps)
 STEP_GRACE_S = 120.0  # a step and its save fit, even on 2 busy cores
 SHUTDOWN_TIMEOUT_S = "300"  # torchrun must not SIGKILL the ranks before STEP_GRACE_S ends
 

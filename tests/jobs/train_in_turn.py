@@ -1,9 +1,10 @@
 """torchrun job: the real entry point for several runs in turn, one process per rank for all of them.
 
-    torchrun --nproc_per_node 2 tests/jobs/train_in_turn.py --run CONFIG [key=value ...] [--run CONFIG ...]
+    torchrun --nproc_per_node 2 tests/jobs/train_in_turn.py --train CONFIG [key=value ...] [--train CONFIG ...]
 
-Each `--run` is what `torchrun [...] -m spmd_grpo.train CONFIG [key=value ...]` does (`spmd_grpo.train.main`
-with those arguments), without a new start-up of torch, transformers and vLLM per run. Between runs each rank
+Each `--train` is what `torchrun [...] -m spmd_grpo.train CONFIG [key=value ...]` does (`spmd_grpo.train.main`
+with those arguments), without a new start-up of torch, transformers and vLLM per run (the separator is not
+`--run`: torchrun would take it for its own `--run-path`). Between runs each rank
 puts back what a run leaves in the process, so the next one starts as in a new process: the default process
 group (the trainer's end, vLLM's teardown, destroyed it; `new_process_group` makes it again), the logging
 handlers (the run's console and rank log; `setup_logging` configures only a process that has none) and the
@@ -24,11 +25,13 @@ RUN_MARK = "train_in_turn: run"
 
 
 def runs(argv: list[str]) -> list[list[str]]:
-    """The arguments of each `--run`."""
-    assert argv and argv[0] == "--run", "usage: train_in_turn.py --run CONFIG [key=value ...] [--run ...]"
+    """The arguments of each `--train`."""
+    assert argv and argv[0] == "--train", (
+        "usage: train_in_turn.py --train CONFIG [key=value ...] [--train ...]"
+    )
     out: list[list[str]] = []
     for arg in argv:
-        if arg == "--run":
+        if arg == "--train":
             out.append([])
         else:
             out[-1].append(arg)
