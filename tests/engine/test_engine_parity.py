@@ -8,10 +8,10 @@ by `RolloutEngine.from_config`, as the trainer builds it, and the settings vLLM 
 config's (the TP-2 tied case also turns `worker.actor.model.trust_remote_code` on), its processor sizes
 those `data.prompts.processor_sizes` gives the data loader and the trainer's processor calls.
 
-The TP-1 cases run in one launch (`parity_runs`): each builds its own policy and engine, and the start-up of
-torch, transformers and vLLM is paid once for all of them. Each TP-2 case has a launch of its own: vLLM CPU
-names a TP group's shared-memory segments after the group alone and unlinks them only at interpreter exit
-(tests/jobs/common.py), so a second TP-2 engine in the process would meet the first one's.
+The cases share launches (`LAUNCHES`): each case builds its own policy and engine, and the start-up of torch,
+transformers and vLLM is paid once per launch. A launch holds at most one TP-2 engine: vLLM CPU names a TP
+group's shared-memory segments after the group alone and unlinks them only at interpreter exit
+(tests/jobs/common.py), so a second TP-2 engine in the process could meet the first one's.
 """
 
 import json
@@ -53,6 +53,9 @@ BF16 = {"qwen3_5", "qwen3_5_moe"}
 (tests/gpu: mean |vLLM - trainer| per token < 0.05 and 5x below the stale weights' mean)."""
 VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1, False)}
 """Cases whose prompts include videos and image + video prompts (one per family, no extra vLLM start)."""
+TP2 = [c for c in CASES if c[1] == 2]
+LAUNCHES = [[c for c in CASES if c[1] == 1] + TP2[:1], *([c] for c in TP2[1:])]
+"""The cases of each launch, run in turn: every TP-1 case and one TP-2 case, then the other TP-2 case."""
 
 
 def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
@@ -68,13 +71,13 @@ def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
-    """`parity_runs(case)` -> (out.json path, the console output of that case): the first request of a TP-1
-    case runs every TP-1 case in one launch; a TP-2 case runs alone."""
+    """`parity_runs(case)` -> (out.json path, the console output of that case): the first request of a case
+    runs every case of its launch (`LAUNCHES`)."""
     done: dict[tuple, tuple[Path, str]] = {}
 
     def get(case: tuple) -> tuple[Path, str]:
         if case not in done:
-            batch = [c for c in CASES if c[1] == 1] if case[1] == 1 else [case]
+            [batch] = [cases for cases in LAUNCHES if case in cases]
             outs = [tmp_path_factory.mktemp("parity") / "out.json" for _ in batch]
             job = ["tests/jobs/engine_parity.py"]
             for c, out in zip(batch, outs, strict=True):
