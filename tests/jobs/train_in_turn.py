@@ -4,11 +4,12 @@
 
 Each `--train` is what `torchrun [...] -m spmd_grpo.train CONFIG [key=value ...]` does (`spmd_grpo.train.main`
 with those arguments), without a new start-up of torch, transformers and vLLM per run (the separator is not
-`--run`: torchrun would take it for its own `--run-path`). Between runs each rank
-puts back what a run leaves in the process, so the next one starts as in a new process: the default process
-group (the trainer's end, vLLM's teardown, destroyed it; `new_process_group` makes it again), the logging
-handlers (the run's console and rank log; `setup_logging` configures only a process that has none) and the
-environment variables (the engine sets vLLM's, e.g. its CPU KV-cache size, only where they are unset).
+`--run`: torchrun would take it for its own `--run-path`). Between runs each rank puts back what a run leaves
+in the process, so the next one starts as in a new process: the default process group (the trainer's end,
+vLLM's teardown, destroyed it; `new_process_group` makes it again), the logging handlers (the run's console
+and rank log; `setup_logging` configures only a process that has none) and the environment variables (the
+engine sets vLLM's, e.g. its CPU KV-cache size, only where they are unset). Each rank prints `RUN_MARK i`
+on both streams before run i, so a test can read each run's own console.
 """
 
 from __future__ import annotations
