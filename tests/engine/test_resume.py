@@ -118,7 +118,9 @@ def test_kill_during_save_then_resume_exactly_and_on_fewer_ranks(tiny_untied, tm
 
     # 4. Resume the 2-rank checkpoint of the signal on ONE rank (what `resume=auto` picks) and train one more
     #    step.
-    shutil.copytree(tmp_path / "crash", tmp_path / "one_rank")
+    # Without the half-written step 2 (no periodic save replaced it here): a resume would name it on stderr
+    # before the refusals' one line in 5.
+    shutil.copytree(tmp_path / "crash", tmp_path / "one_rank", ignore=shutil.ignore_patterns("*.tmp"))
     nxt = last + 1
     one = torchrun(_args(tiny_untied, tmp_path, "one_rank", nxt, "trainer.resume=auto"), nproc=1)
     assert f"global_step_{last} (step {last})" in one.stdout + one.stderr
