@@ -53,7 +53,7 @@ RUN_ELSEWHERE = {
     "and this config's own run is its learning run (python -m spmd_grpo.smoke --config configs/smoke_video.yaml)",
 }
 """Configs validated (tests/unit/test_config.py) but not trained here, each with why and where it is trained
-(each run here costs the tier 15-20 s)."""
+(each run here costs the tier about 6 s in the shared launch, and 15-20 s in a launch of its own)."""
 SAME_RUN_AS = {"qwen2_5_vl_32b_geo3k_grpo": "qwen2_5_vl_7b_geo3k_grpo"}
 """Configs whose run here would repeat another config's run: scaled down and with the tiny model swapped in,
 every key is the same (the sizes and the tensor-parallel degree are what tells them apart, and those are
