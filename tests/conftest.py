@@ -8,6 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,65 @@ def saved_checkpoints(tmp_path_factory):
         if (model_dir, lora_rank) not in cache:
             save([(model_dir, lora_rank)])
         return cache[model_dir, lora_rank]
+
+    return get
+
+
+# ------------------------------------------------------------------ training runs that share one launch
+TRAINER_RUNS: dict[str, tuple[Path, Callable[[Path], list[str]]]] = {}
+"""name -> (the registering test module, its arguments): see `trainer_run`."""
+
+
+def trainer_run(name: str, module: str, arguments: Callable[[Path], list[str]]) -> str:
+    """Register a run of the real entry point on 2 ranks (`torchrun -m spmd_grpo.train CONFIG [key=value ...]`)
+    for the `trained` fixture and return its name. `arguments(work_dir)` gives `CONFIG [key=value ...]`,
+    writing what the run reads into `work_dir` and pointing its output there; `module` is the registering
+    module's `__file__`. Test modules register at import, so every run of the session is known before its
+    first test starts."""
+    assert name not in TRAINER_RUNS, f"trainer run {name} registered twice"
+    TRAINER_RUNS[name] = (Path(module).resolve(), arguments)
+    return name
+
+
+def own_output(text: str, mark: str, i: int) -> str:
+    """Part `i` of one stream of a launch that runs parts in turn: from `mark i` to `mark i+1` (each rank prints
+    the marks)."""
+    start, end = text.find(f"{mark} {i}\n"), text.find(f"{mark} {i + 1}\n")
+    return text[max(start, 0) : end if end >= 0 else len(text)]
+
+
+@pytest.fixture(scope="session")
+def trained(request, tmp_path_factory):
+    """`trained(name)` -> (work_dir, console) of a `trainer_run`. The first call trains, in one launch, every
+    run registered by a module that has a selected test, one after the other (tests/jobs/train_in_turn.py):
+    torch, transformers and vLLM start once for all of them instead of once per run. A run that fails ends
+    the launch, and every test that asks for a run fails with its output."""
+    from tests.jobs.train_in_turn import RUN_MARK
+
+    results: dict[str, tuple[Path, str]] = {}
+    failed: list[str] = []
+
+    def get(name: str) -> tuple[Path, str]:
+        if failed:
+            pytest.fail(failed[0])
+        if not results:
+            modules = {Path(str(item.path)).resolve() for item in request.session.items}
+            names = [n for n, (module, _) in TRAINER_RUNS.items() if module in modules]
+            work = {n: tmp_path_factory.mktemp(n) for n in names}
+            job = ["tests/jobs/train_in_turn.py"]
+            for n in names:
+                job += ["--train", *TRAINER_RUNS[n][1](work[n])]
+            cmd, env = torchrun_command(job)
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+            if proc.returncode != 0:
+                failed.append(f"torchrun exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+                pytest.fail(failed[0])
+            for i, n in enumerate(names):
+                results[n] = (
+                    work[n],
+                    own_output(proc.stdout, RUN_MARK, i) + own_output(proc.stderr, RUN_MARK, i),
+                )
+        return results[name]
 
     return get
 

@@ -2,7 +2,7 @@
 image, three images, a video, an image and a video in one prompt, and zero-weight padding micro-batches, on
 different ranks in the same micro-batch slot, for every dense family and one MoE model of each generation
 (Qwen3-VL-MoE; Qwen3.5-MoE, whose hybrid layers are Qwen3.5's), padded and packed, trained and frozen vision
-tower (tests/jobs/mixed_modalities.py).
+tower (tests/jobs/mixed_modalities.py; one launch runs every family in turn).
 
 No collective may mismatch (gloo: "Received data size doesn't match"), the forward-only pass must give each
 sample the logprobs it gets alone in a plain single-process model, and the update's gradient must be finite.
@@ -22,10 +22,20 @@ CASES = [f"{scenario}-{tower}-{layout}" for scenario in ("one_rank_text_only", "
          for tower in ("trained", "frozen") for layout in ("padded", "packed")]  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe"])
-def test_every_composition_on_every_rank(family, tmp_path):
-    torchrun([JOB, str(tiny_model(family=family)), str(tmp_path / "out")])
-    ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
+FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every family's results, rank by rank, from one launch of the job (one start-up for all of them)."""
+    out = tmp_path_factory.mktemp("mixed") / "out"
+    torchrun([JOB, *(str(tiny_model(family=f)) for f in FAMILIES), str(out)])
+    return [json.loads(out.with_name(f"out.rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_composition_on_every_rank(family, results):
+    ranks = [r[str(tiny_model(family=family))] for r in results]
     for r in ranks:
         assert sorted(r) == sorted(CASES)
         for case, result in r.items():

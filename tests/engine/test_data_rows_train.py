@@ -4,16 +4,18 @@ prompt, a text-only prompt, a video and an image + video prompt (a run that allo
 default `reuse_image_features` and a trained tower), among bad rows and a corrupt file. The kept rows all go through vLLM (validation
 over the whole set) and a training step's trainer logprobs equal vLLM's: prompt ids and images agree on both
 sides. Without the load-time checks the special-token and 3-image rows fail the generate call (vLLM rejects
-the request), and the skipped file fails the whole load.
+the request), and the skipped file fails the whole load. The run shares one launch with the session's other
+training runs (the `trained` fixture).
 """
 
 import io
 import json
+from pathlib import Path
 
 from PIL import Image
 
 from spmd_grpo.data.synthetic import write_parquet
-from tests.conftest import torchrun
+from tests.conftest import tiny_model, trainer_run
 from tests.unit.test_data_rows import _modes, _png_header
 
 
@@ -29,8 +31,8 @@ def _mp4() -> bytes:
     return encode_video([Image.new("RGB", (56, 84), (40 * k, 200, 30)) for k in range(4)])
 
 
-def _data(d) -> int:
-    """Writes the directory; returns how many rows are kept."""
+def _rows() -> tuple[list[dict], list[dict]]:
+    """The rows that are kept, and the bad ones."""
     good = [
         {"problem": f"<image>mode {name}?", "answer": str(i % 4), "images": [data]}
         for i, (name, (data, _)) in enumerate(_modes().items())
@@ -55,43 +57,46 @@ def _data(d) -> int:
         {"problem": "<image>too thin for 16 tokens", "answer": "2", "images": [_png((3, 500))]},
         {"problem": "<video>broken", "answer": "1", "videos": [b"\x00\x00\x00 ftyp not really"]},
     ]
-    write_parquet(good[:16], d / "a.parquet", row_group_size=5)
-    write_parquet(bad + good[16:], d / "b.parquet")
-    (d / "c_corrupt.parquet").write_bytes(b"PAR1" + b"\0" * 100)
-    return len(good)
+    return good, bad
 
 
-def test_odd_rows_train_and_validate(tiny_untied, tmp_path):
-    data = tmp_path / "data"
-    num_kept = _data(data)
-    proc = torchrun(
-        [
-            "-m",
-            "spmd_grpo.train",
-            "configs/smoke.yaml",
-            f"worker.actor.model.model_path={tiny_untied}",
-            f"trainer.output_dir={tmp_path}",
-            "trainer.experiment_name=rows",
-            f"data.train_files={data}",
-            f"data.val_files={data}",
-            "data.val_max_samples=-1",
-            "data.max_bad_fraction=0.5",
-            "data.max_prompt_length=512",
-            "data.rollout_batch_size=16",
-            "worker.rollout.n=2",
-            "worker.rollout.limit_images=2",
-            "worker.rollout.limit_videos=1",
-            "data.video_min_pixels=3136",
-            "data.video_max_pixels=12544",
-            "data.video_max_frames=4",
-            "worker.actor.global_batch_size=32",
-            "worker.actor.micro_batch_size_per_device_for_update=8",
-            "worker.actor.micro_batch_size_per_device_for_experience=8",
-            "trainer.max_steps=1",
-        ]
-    )
-    out = proc.stdout + proc.stderr
-    rows = [json.loads(line) for line in (tmp_path / "rows" / "metrics.jsonl").read_text().splitlines()]
+def _arguments(work: Path) -> list[str]:
+    data = work / "data"
+    good, bad = _rows()
+    write_parquet(good[:16], data / "a.parquet", row_group_size=5)
+    write_parquet(bad + good[16:], data / "b.parquet")
+    (data / "c_corrupt.parquet").write_bytes(b"PAR1" + b"\0" * 100)
+    return [
+        "configs/smoke.yaml",
+        f"worker.actor.model.model_path={tiny_model()}",
+        f"trainer.output_dir={work}",
+        "trainer.experiment_name=rows",
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+        "data.val_max_samples=-1",
+        "data.max_bad_fraction=0.5",
+        "data.max_prompt_length=512",
+        "data.rollout_batch_size=16",
+        "worker.rollout.n=2",
+        "worker.rollout.limit_images=2",
+        "worker.rollout.limit_videos=1",
+        "data.video_min_pixels=3136",
+        "data.video_max_pixels=12544",
+        "data.video_max_frames=4",
+        "worker.actor.global_batch_size=32",
+        "worker.actor.micro_batch_size_per_device_for_update=8",
+        "worker.actor.micro_batch_size_per_device_for_experience=8",
+        "trainer.max_steps=1",
+    ]
+
+
+RUN = trainer_run("odd_rows", __file__, _arguments)
+
+
+def test_odd_rows_train_and_validate(trained):
+    work, out = trained(RUN)
+    data, num_kept = work / "data", len(_rows()[0])
+    rows = [json.loads(line) for line in (work / "rows" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[1]["rollout/logprob_diff_max"] < 1e-3  # trainer and vLLM saw the same prompt and pixels
     assert f"loaded {num_kept} train examples" in out and f"loaded {num_kept} val examples" in out

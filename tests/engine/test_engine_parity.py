@@ -7,9 +7,15 @@ checks that the same comparison fails: the parity check is able to fail. The eng
 by `RolloutEngine.from_config`, as the trainer builds it, and the settings vLLM reports back must be the
 config's (the TP-2 tied case also turns `worker.actor.model.trust_remote_code` on), its processor sizes
 those `data.prompts.processor_sizes` gives the data loader and the trainer's processor calls.
+
+The cases share launches (`LAUNCHES`): each case builds its own policy and engine, and the start-up of torch,
+transformers and vLLM is paid once per launch. A launch holds at most one TP-2 engine: vLLM CPU names a TP
+group's shared-memory segments after the group alone and unlinks them only at interpreter exit
+(tests/jobs/common.py), so a second TP-2 engine in the process could meet the first one's.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoProcessor
@@ -17,8 +23,9 @@ from transformers import AutoProcessor
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.config.workers import RolloutConfig
 from spmd_grpo.data.prompts import processor_sizes
-from tests.conftest import tiny_model, torchrun
+from tests.conftest import own_output, tiny_model, torchrun
 from tests.jobs.common import VIDEO_DATA
+from tests.jobs.engine_parity import CASE_MARK
 
 TOL = 1e-3
 
@@ -46,6 +53,41 @@ BF16 = {"qwen3_5", "qwen3_5_moe"}
 (tests/gpu: mean |vLLM - trainer| per token < 0.05 and 5x below the stale weights' mean)."""
 VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1, False)}
 """Cases whose prompts include videos and image + video prompts (one per family, no extra vLLM start)."""
+TP2 = [c for c in CASES if c[1] == 2]
+LAUNCHES = [[c for c in CASES if c[1] == 1] + TP2[:1], *([c] for c in TP2[1:])]
+"""The cases of each launch, run in turn: every TP-1 case and one TP-2 case, then the other TP-2 case."""
+
+
+def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
+    """The job's arguments for one case (its `--tp` is the launch's)."""
+    model_dir = tiny_model(tie_word_embeddings=tied, family=family)
+    job = [str(model_dir), str(out), "--tp", str(tp), "--dtype", "bfloat16" if family in BF16 else "float32"]
+    job += ["--videos"] if (family, tp, tied) in VIDEO_CASES and not lora else []
+    if lora:
+        head = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
+        job += ["--lora-rank", "8", "--lora-targets", "all-linear" if tied else head, "--lora-sync", lora]
+    return job + (["--trust-remote-code"] if tp == 2 and tied else [])
+
+
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory):
+    """`parity_runs(case)` -> (out.json path, the console output of that case): the first request of a case
+    runs every case of its launch (`LAUNCHES`)."""
+    done: dict[tuple, tuple[Path, str]] = {}
+
+    def get(case: tuple) -> tuple[Path, str]:
+        if case not in done:
+            [batch] = [cases for cases in LAUNCHES if case in cases]
+            outs = [tmp_path_factory.mktemp("parity") / "out.json" for _ in batch]
+            job = ["tests/jobs/engine_parity.py"]
+            for c, out in zip(batch, outs, strict=True):
+                job += ["--case", *_case_args(*c, out)]
+            proc = torchrun(job, timeout=1800)
+            for i, (c, out) in enumerate(zip(batch, outs, strict=True)):
+                done[c] = (out, own_output(proc.stdout, CASE_MARK, i) + own_output(proc.stderr, CASE_MARK, i))
+        return done[case]
+
+    return get
 
 
 @pytest.mark.parametrize(
@@ -53,22 +95,16 @@ VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1,
     CASES,
     ids=[f"{f}-tp{tp}-{'tied' if t else 'untied'}{f'-lora-{m}' if m else ''}" for f, tp, t, m in CASES],
 )
-def test_parity_after_update_and_staleness(family, tp, tied, lora, tmp_path):
+def test_parity_after_update_and_staleness(family, tp, tied, lora, parity_runs):
     model_dir = tiny_model(tie_word_embeddings=tied, family=family)
     trust = tp == 2 and tied
     videos = (family, tp, tied) in VIDEO_CASES and not lora
-    job = ["tests/jobs/engine_parity.py", str(model_dir), str(tmp_path / "out.json"), "--tp", str(tp)]
-    job += ["--videos"] if videos else []
     dtype = "bfloat16" if family in BF16 else "float32"
-    job += ["--dtype", dtype]
-    if lora:
-        head = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
-        job += ["--lora-rank", "8", "--lora-targets", "all-linear" if tied else head, "--lora-sync", lora]
-    proc = torchrun([*job, *(["--trust-remote-code"] if trust else [])])
+    out, log = parity_runs((family, tp, tied, lora))
     if lora == "merged":  # pushes after the first leave the frozen weights out (vLLM keeps them): 88 vLLM
         # "Failed to load weights" warnings in this job before they were told apart from real failures
-        assert "Failed to load weights" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
-    ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
+        assert "Failed to load weights" not in log, log[-3000:]
+    ranks = [json.loads(out.with_name(f"out.rank{r}.json").read_text()) for r in range(2)]
     data = DataConfig(**VIDEO_DATA) if videos else DataConfig()
     sizes = processor_sizes(data, AutoProcessor.from_pretrained(model_dir), limit_videos=int(videos))
     for r in ranks:

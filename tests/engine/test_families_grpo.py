@@ -2,7 +2,8 @@
 rollout; the MoE families wait for their weight-push parity, tests/engine/test_engine_parity.py) on the colour task: the real entry
 point (`spmd_grpo.train`, 2 ranks under torchrun, FSDP2, one vLLM CPU engine per rank), the smoke config, a
 tiny random model of the family built locally. The mean reward of the last 10 steps must exceed that of the
-first 5 by RISE (Qwen2.5-VL's full 300-step run is `make smoke-test`).
+first 5 by RISE (Qwen2.5-VL's full 300-step run is `make smoke-test`). The runs share one launch with the
+session's other training runs (the `trained` fixture), so torch, transformers and vLLM start once.
 
 Measured here (Qwen3-VL, these overrides, 2 ranks on 2 heavily shared cores, 10-14 s per step; the run was
 stopped at step 51 of 60): `critic/score/mean` 0.044 over steps 1-5, 0.120 over steps 42-51, 0.163 at best;
@@ -11,39 +12,45 @@ RISE = 0.05 is well above noise and below the measured rise. Qwen2-VL was not me
 """
 
 import json
+from functools import partial
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_model, torchrun
+from tests.conftest import tiny_model, trainer_run
 
 STEPS = 60  # lr 1e-3 with the smoke config's cosine decay over these steps
 RISE = 0.05
 BF16_ROLLOUT = {"qwen3_5", "qwen3_5_moe"}  # vLLM CPU's linear-attention kernel runs in bf16 only
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
-def test_short_grpo_run_raises_the_reward(family, tmp_path):
-    model_dir = tiny_model(family=family)
-    torchrun(
-        [
-            "-m",
-            "spmd_grpo.train",
-            "configs/smoke.yaml",
-            f"worker.actor.model.model_path={model_dir}",
-            f"trainer.output_dir={tmp_path}",
-            f"trainer.max_steps={STEPS}",
-            "trainer.val_before_train=false",
-            "trainer.val_freq=1000",
-            "algorithm.use_kl_loss=false",
-            # The setting measured below for these 64-wide models; the smoke config's own lr and reward
-            # are set for `make smoke-test`'s wider model.
-            "worker.actor.optim.lr=1e-3",
-            "worker.reward.format_weight=0.1",
-            *(["worker.rollout.dtype=bfloat16"] if family in BF16_ROLLOUT else []),
-        ],
-        timeout=3600,
-    )
-    rows = [json.loads(line) for line in (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()]
+FAMILIES = ["qwen2_vl", "qwen3_vl", "qwen3_5"]
+
+
+def _arguments(family: str, work: Path) -> list[str]:
+    return [
+        "configs/smoke.yaml",
+        f"worker.actor.model.model_path={tiny_model(family=family)}",
+        f"trainer.output_dir={work}",
+        f"trainer.max_steps={STEPS}",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=1000",
+        "algorithm.use_kl_loss=false",
+        # The setting measured below for these 64-wide models; the smoke config's own lr and reward
+        # are set for `make smoke-test`'s wider model.
+        "worker.actor.optim.lr=1e-3",
+        "worker.reward.format_weight=0.1",
+        *(["worker.rollout.dtype=bfloat16"] if family in BF16_ROLLOUT else []),
+    ]
+
+
+RUNS = {f: trainer_run(f"grpo_{f}", __file__, partial(_arguments, f)) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_short_grpo_run_raises_the_reward(family, trained):
+    work, _ = trained(RUNS[family])
+    rows = [json.loads(line) for line in (work / "smoke" / "metrics.jsonl").read_text().splitlines()]
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     assert len(scores) == STEPS
     first, last = sum(scores[:5]) / 5, sum(scores[-10:]) / 10

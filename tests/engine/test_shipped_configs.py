@@ -1,5 +1,7 @@
 """Every shipped config runs: each `configs/*.yaml` (found by glob, so a new file is covered without a
-change here) trains 2 steps under real torchrun with 2 ranks, FSDP2 and the real vLLM CPU engine.
+change here) trains 2 steps under real torchrun with 2 ranks, FSDP2 and the real vLLM CPU engine, through the
+real entry point. The runs share one launch with the session's other training runs (the `trained` fixture:
+tests/jobs/train_in_turn.py), so torch, transformers and vLLM start once for all of them.
 
 Only what cannot exist on this machine is swapped, and only what would take hours is scaled down, all in
 one place (`SCALE_DOWN`, `FIXED`, `_swapped`); everything else runs as the file says: the algorithm, DAPO's
@@ -28,7 +30,7 @@ import json
 import math
 import random
 import shutil
-from functools import reduce
+from functools import partial, reduce
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,7 @@ from spmd_grpo.config.validate import validate
 from spmd_grpo.data.synthetic import write_parquet
 from spmd_grpo.models.families import PUBLISHED
 from spmd_grpo.tools.make_tiny_model import save_model
-from tests.conftest import CACHE, REPO, tiny_model, torchrun
+from tests.conftest import CACHE, REPO, tiny_model, trainer_run
 
 RUN_ELSEWHERE = {
     "smoke": "trained by tests/engine/test_launch.py (3 steps on 4 ranks, every metric) and test_families_grpo.py "
@@ -56,7 +58,7 @@ RUN_ELSEWHERE = {
     "the family trains here with qwen3_5_9b_geo3k_grpo and in test_families_grpo.py",
 }
 """Configs validated (tests/unit/test_config.py) but not trained here, each with why and where it is trained
-(each run here costs the tier 15-20 s)."""
+(each run here costs the tier about 6 s in the shared launch, and 15-20 s in a launch of its own)."""
 SAME_RUN_AS = {"qwen2_5_vl_32b_geo3k_grpo": "qwen2_5_vl_7b_geo3k_grpo"}
 """Configs whose run here would repeat another config's run: scaled down and with the tiny model swapped in,
 every key is the same (the sizes and the tensor-parallel degree are what tells them apart, and those are
@@ -240,16 +242,22 @@ def _swapped(cfg: Config, tmp_path: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- test
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_shipped_config_trains_two_steps(config: Path, tmp_path: Path):
+def _arguments(config: Path, work: Path) -> list[str]:
     original = load_config(config)
-    overrides = _swapped(original, tmp_path) + _scaled(original)
-    cfg = load_config(config, overrides)
-    validate(cfg, WORLD_SIZE)  # a scaled size that breaks a divisibility rule fails here, naming the key
-    torchrun(
-        ["-m", "spmd_grpo.train", str(config.relative_to(REPO)), *overrides], nproc=WORLD_SIZE, timeout=1200
-    )
+    overrides = _swapped(original, work) + _scaled(original)
+    # A scaled size that breaks a divisibility rule fails here, naming the key, before the launch.
+    validate(load_config(config, overrides), WORLD_SIZE)
+    return [str(config.relative_to(REPO)), *overrides]
 
+
+RUNS = {c: trainer_run(c.stem, __file__, partial(_arguments, c)) for c in CONFIGS}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_shipped_config_trains_two_steps(config: Path, trained):
+    work, _ = trained(RUNS[config])
+    original = load_config(config)
+    cfg = load_config(config, _swapped(original, work) + _scaled(original))
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == ([0] if cfg.trainer.val_before_train else []) + [1, 2]
     if cfg.trainer.val_before_train:

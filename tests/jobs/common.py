@@ -30,6 +30,23 @@ def run_job(main: Callable[[], None]) -> None:
         os._exit(0)
 
 
+def new_process_group(prefix: str) -> None:
+    """Make the default gloo process group again, from torchrun's environment, after vLLM's teardown destroyed
+    it (a job that builds several engines in turn). Its rendezvous keys go under `prefix` in torchrun's store:
+    those of the first group are still there, and a group made under them again would read them."""
+    import os
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(prefix, store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
 def chat_text(processor, num_images: int, text: str, num_videos: int = 0) -> str:
     """The chat-templated user turn: `num_images` images, `num_videos` videos, then `text`, ready for the
     assistant's answer."""

@@ -1,6 +1,11 @@
 """torchrun job: FSDP2 policy + in-process vLLM per rank; generate with images, update, push, compare.
 
     torchrun --nproc_per_node 2 tests/jobs/engine_parity.py MODEL_DIR OUT_JSON [--tp 2]
+    torchrun --nproc_per_node 2 tests/jobs/engine_parity.py --case MODEL_DIR OUT_JSON [...] --case ...
+
+With `--case`, one launch runs several cases in turn (each with its own options; the start-up of torch, vLLM and
+transformers is paid once): after a case, vLLM's teardown destroys the process group, and the next case makes
+a new one under its own prefix in torchrun's store.
 
 Prompts alternate between 1 and 2 images; with `--videos` (worker.rollout.limit_videos=1) they cycle through
 1-2 images, one video, and one image + one video (4-frame MPEG-4 videos decoded by the data layer's rules),
@@ -44,9 +49,10 @@ from spmd_grpo.rollout.generate import (
     generate,
     generate_for_group,
 )
-from tests.jobs.common import VIDEO_DATA, chat_text, make_video, run_job
+from tests.jobs.common import VIDEO_DATA, chat_text, make_video, new_process_group, run_job
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
+CASE_MARK = "engine_parity: case"
 
 
 def make_prompts(processor, rank: int, per_rank: int, video_rules=None) -> list[Prompt]:
@@ -100,7 +106,42 @@ def max_diff(samples, trainer_lps) -> float:
     )
 
 
+def parse_cases(argv: list[str]) -> list[argparse.Namespace]:
+    """One case per `--case` (its arguments up to the next `--case`); without it, `argv` is one case."""
+    if "--case" not in argv:
+        return [case_parser().parse_args(argv)]
+    chunks: list[list[str]] = []
+    for arg in argv:
+        if arg == "--case":
+            chunks.append([])
+        else:
+            chunks[-1].append(arg)
+    cases = [case_parser().parse_args(chunk) for chunk in chunks]
+    assert len({c.device for c in cases}) == 1, "one launch runs cases of one device"
+    return cases
+
+
+def process_group(case_index: int, device: str):
+    """The default process group for case `case_index`: the first is made from torchrun's environment; vLLM's
+    teardown of the previous case destroyed it, so a later one is made again (`new_process_group`)."""
+    import torch.distributed as dist
+
+    if case_index > 0 and not dist.is_initialized():
+        new_process_group(f"engine_parity_case{case_index}")
+    return init_distributed(device)
+
+
 def main() -> None:
+    import gc
+
+    for i, args in enumerate(parse_cases(sys.argv[1:])):
+        for stream in (sys.stdout, sys.stderr):  # the test reads each case's own output
+            print(f"{CASE_MARK} {i}", file=stream, flush=True)
+        run_case(args, process_group(i, args.device))
+        gc.collect()  # the case's policy, optimizer and engine
+
+
+def case_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("out_json")
@@ -113,11 +154,12 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full)")
     ap.add_argument("--lora-targets", default="all-linear", help="worker.actor.model.lora.target_modules")
     ap.add_argument("--lora-sync", default="merged", help="worker.rollout.lora_sync")
-    args = ap.parse_args()
+    return ap
 
+
+def run_case(args: argparse.Namespace, world) -> None:
     from transformers import AutoProcessor
 
-    world = init_distributed(args.device)
     torch.manual_seed(0)
     tp_group = new_tp_groups(world, args.tp)
     processor = AutoProcessor.from_pretrained(args.model_dir)

@@ -1,7 +1,7 @@
 """torchrun job: ranks whose micro-batches hold different modalities make the same collective calls.
 
-    torchrun --nproc_per_node 2 tests/jobs/mixed_modalities.py MODEL_DIR OUT_PREFIX [--without-idle-tower]
-        [--without-idle-video]
+    torchrun --nproc_per_node 2 tests/jobs/mixed_modalities.py MODEL_DIR [MODEL_DIR ...] OUT_PREFIX
+        [--without-idle-tower] [--without-idle-video]
 
 For each case (padded or packed layout) x (trained or frozen vision tower), each rank holds 4 samples of
 its own composition: in the first scenario prompts with 0, 1 or 3 images (rank 1 text-only) in a run
@@ -11,8 +11,9 @@ then runs what a training step runs: the forward-only logprob pass (one sample p
 rank's micro-batch is text-only while the other's holds images) and the update's backward, once with one
 sample per micro-batch and once with token-budget micro-batches where rank 1 holds one sample and pads with
 three zero-weight micro-batches. Each rank then recomputes every one of its samples alone in a plain
-single-process model (`from_pretrained`, no FSDP) and writes `OUT_PREFIX.rank<r>.json`: per case the
-largest logprob difference and whether the gradient is finite.
+single-process model (`from_pretrained`, no FSDP) and writes `OUT_PREFIX.rank<r>.json`: per model directory
+(each is run in turn, in one launch) and per case the largest logprob difference and whether the gradient is
+finite.
 
 `--without-idle-tower` replaces `PolicyModule._idle_tower` by a zero that runs no tower (the mechanism
 removed): the job must then fail in a collective instead of finishing. `--without-idle-video` removes only
@@ -121,14 +122,12 @@ def run_case(policy, samples: list[Sample], spec: UpdateSpec, world, reference) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model_dir")
+    ap.add_argument("model_dirs", nargs="+")
     ap.add_argument("out_prefix")
     ap.add_argument("--without-idle-tower", action="store_true")
     ap.add_argument("--without-idle-video", action="store_true")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated (default: all)")
     args = ap.parse_args()
-    from transformers import AutoProcessor
-
     idle_tower = PolicyModule._idle_tower
     if args.without_idle_tower:
         PolicyModule._idle_tower = lambda self, device, encode: torch.zeros((), device=device)
@@ -139,21 +138,30 @@ def main() -> None:
             else idle_tower(self, device, encode)
         )
     world = init_distributed("cpu", timeout_s=60)
-    processor = AutoProcessor.from_pretrained(args.model_dir)
+    out = {model_dir: run_model(model_dir, args.scenarios.split(","), world) for model_dir in args.model_dirs}
+    with open(f"{args.out_prefix}.rank{world.rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+def run_model(model_dir: str, scenarios: list[str], world) -> dict:
+    """Every case of `scenarios` for one model: case name -> `run_case`'s result."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
     pad_id = processor.tokenizer.pad_token_id
     spec = UpdateSpec(
         temperature=1.0, pad_token_id=pad_id, max_response_length=8, mini_batch_size=NUM_SAMPLES,
         micro_batch_size=1, experience_micro_batch_size=1,
     )  # fmt: skip
     out = {}
-    for scenario in args.scenarios.split(","):
+    for scenario in scenarios:
         videos = SCENARIOS[scenario]
         samples = make_samples(processor, compositions(scenario, world.rank), world.rank)
-        reference = reference_logprobs(args.model_dir, samples, pad_id)
+        reference = reference_logprobs(model_dir, samples, pad_id)
         spec = dataclasses.replace(spec, videos=videos)
         for frozen in (False, True):
             actor = ActorConfig(
-                model=ModelConfig(model_path=args.model_dir, freeze_vision_tower=frozen),
+                model=ModelConfig(model_path=model_dir, freeze_vision_tower=frozen),
                 fsdp=FSDPConfig(param_dtype="float32"),
             )
             policy = build_policy(actor, world)
@@ -164,8 +172,7 @@ def main() -> None:
                 policy.padding_free = packed
                 case = f"{scenario}-{'frozen' if frozen else 'trained'}-{'packed' if packed else 'padded'}"
                 out[case] = run_case(policy, samples, spec, world, reference)
-    with open(f"{args.out_prefix}.rank{world.rank}.json", "w") as f:
-        json.dump(out, f)
+    return out
 
 
 if __name__ == "__main__":
