@@ -38,9 +38,9 @@ experts' worth); what EP saves is the gathered layer (each rank gathers its E / 
 ranks instead of all E over the world: 1 / P of the experts' all-gather traffic and peak) and the grouped
 GEMM runs over the local experts only.
 
-Deviations: torchtitan's current `apply_fsdp_to_decoder` shards a block's experts in the block's own FSDP unit with a per-parameter
-mesh (`shard_placement_fn` returning a mesh, private FSDP2 API); here the experts are their own unit (its
-earlier form: one more all-gather and reduce-scatter per MoE layer, public API only). torchtitan turns
+Deviations: torchtitan's current `apply_fsdp_to_decoder` shards a block's experts in the block's own FSDP
+unit with a per-parameter mesh (`shard_placement_fn` returning a mesh, private FSDP2 API); here the experts
+are their own unit (its earlier form: one more all-gather and reduce-scatter per MoE layer, public API). torchtitan turns
 FSDP's gradient division off and scales the loss itself; here FSDP divides and only the experts' divisor
 changes. No explicit FSDP prefetch (torchtitan sets it under EP because the host sync delays the implicit
 one: a GPU cost, not a correctness one); no `Shard(1)` of the experts when world > E (FSDP pads dim 0
