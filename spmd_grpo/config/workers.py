@@ -124,7 +124,7 @@ class FSDPConfig:
     expert_parallel_size: Positive = 1
     """Expert parallelism of an MoE policy (1: off). EP ranks come out of the data-parallel ranks: each holds
     num_experts / EP experts, tokens reach them by all-to-all, and the expert weights are FSDP-sharded over
-    the other world / EP ranks (the reference's too). Must divide the world size and the model's num_experts."""
+    the other world / EP ranks. Must divide the world size and the model's num_experts."""
 
 
 @dataclass(config=SECTION)
