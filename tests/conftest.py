@@ -162,12 +162,13 @@ def fake_checkpoint(
 
 
 CHECKPOINT_JOB = "tests/jobs/checkpoint_roundtrip.py"
-SAVED_CASES = [  # (family, tied embeddings, LoRA rank): what the checkpoint and export tests read
-    ("qwen2_5_vl", False, 0),
-    ("qwen2_5_vl", False, 4),
-    ("qwen2_5_vl", True, 0),
-    ("qwen2_vl", False, 0),
-    ("qwen3_vl", False, 0),
+SAVED_CASES = [  # (family, tied embeddings, LoRA rank, EP size): what the checkpoint and export tests read
+    ("qwen2_5_vl", False, 0, 1),
+    ("qwen2_5_vl", False, 4, 1),
+    ("qwen2_5_vl", True, 0, 1),
+    ("qwen2_vl", False, 0, 1),
+    ("qwen3_vl", False, 0, 1),
+    ("qwen3_vl_moe", False, 0, 2),
 ]
 
 
@@ -175,12 +176,13 @@ SAVED_CASES = [  # (family, tied embeddings, LoRA rank): what the checkpoint and
 def saved_checkpoints(tmp_path_factory):
     """`saved_checkpoints(model_dir, lora_rank=0)` -> directory with `run/` (checkpoints of steps 1 and 2, saved at world 2
     by tests/jobs/checkpoint_roundtrip.py) and `save.pt` (what the job recorded), shared by the checkpoint and
-    export tests. The first call saves every case of SAVED_CASES in one launch; another model gets its own."""
+    export tests. The first call saves every case of SAVED_CASES in one launch (the MoE one at
+    expert_parallel_size=2); another model gets its own."""
     cache: dict[tuple[Path, int], Path] = {}
 
-    def save(cases: list[tuple[Path, int]]) -> None:
+    def save(cases: list[tuple[Path, int, int]]) -> None:
         job, works = [CHECKPOINT_JOB, "--phase", "save"], []
-        for model_dir, lora_rank in cases:
+        for model_dir, lora_rank, ep in cases:
             works.append(tmp_path_factory.mktemp("ckpt"))
             job += [
                 "--case",
@@ -188,20 +190,23 @@ def saved_checkpoints(tmp_path_factory):
                 str(works[-1] / "run"),
                 str(works[-1] / "save.pt"),
                 str(lora_rank),
+                str(ep),
             ]
         torchrun(job)
-        cache.update(zip(cases, works, strict=True))
+        cache.update(
+            ((model_dir, rank), work) for (model_dir, rank, _), work in zip(cases, works, strict=True)
+        )
 
     def get(model_dir: Path, lora_rank: int = 0) -> Path:
         if not cache:
             save(
                 [
-                    (tiny_model(tie_word_embeddings=tied, family=family), rank)
-                    for family, tied, rank in SAVED_CASES
+                    (tiny_model(tie_word_embeddings=tied, family=family), rank, ep)
+                    for family, tied, rank, ep in SAVED_CASES
                 ]
             )
         if (model_dir, lora_rank) not in cache:
-            save([(model_dir, lora_rank)])
+            save([(model_dir, lora_rank, 1)])
         return cache[model_dir, lora_rank]
 
     return get

@@ -39,9 +39,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> Opt
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip by the global norm over all shards; returns the pre-clip norm (same on every rank)."""
+    """Clip by the global norm over all shards; returns the pre-clip norm (same on every rank).
+
+    The norm is taken per group of gradients sharded alike (one device mesh and placement: the dense
+    weights, and with expert parallelism the experts on their own 2-D mesh), each reduced over its ranks,
+    then combined: `clip_grad_norm_` stacks every norm into one tensor, which DTensors on different meshes
+    cannot share."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=False)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else None
+        groups.setdefault(key, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return float(total)

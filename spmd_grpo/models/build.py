@@ -41,6 +41,11 @@ CPU offload (`worker.actor.fsdp.offload_params`, `worker.ref.offload_params`): t
 on the host (FSDP2 requires it) and the buffers on the compute device; pinned host memory on accelerators,
 unpinned on CPU (pinning needs a CUDA driver; on CPU the "offload" is a no-op copy).
 
+Expert parallelism (`worker.actor.fsdp.expert_parallel_size` > 1, an MoE model): before the layers are
+sharded, every MoE layer's experts are split by expert index over EP groups of consecutive ranks and get
+their own FSDP unit over the ranks outside the group (`moe.expert_parallel.shard_experts`); the reference
+is built the same way.
+
 Gradient clipping uses the true global norm: `clip_grad_norm_` over DTensor gradients reduces the
 per-shard norms across ranks (FSDP2 semantics), so every rank gets the same norm.
 """
@@ -58,7 +63,8 @@ from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, RefCon
 from spmd_grpo.models.attention import varlen_attention
 from spmd_grpo.models.families import family_of
 from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_adapter_name, target_module_names
-from spmd_grpo.models.moe.install import install_moe, router_aux_loss_coef
+from spmd_grpo.models.moe.expert_parallel import expert_mesh, shard_experts
+from spmd_grpo.models.moe.install import install_moe, moe_blocks, router_aux_loss_coef
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from spmd_grpo.models.shared_flex import shared_prompt_attention
 from spmd_grpo.models.weights import load_safetensors_into
@@ -107,6 +113,7 @@ def vision_blocks(hf_model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyModule:
     """`fully_shard` each vision block and decoder layer, then the root. In place; returns the model.
+    With `fsdp.expert_parallel_size` > 1 the experts are expert-parallel and their own units first.
 
     Parameters are gathered in `fsdp.param_dtype`. Every unit, the root included, reshards after its
     forward: between forwards a model holds only its shards (a forward-only reference would otherwise keep
@@ -121,6 +128,15 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
     kwargs = {"mp_policy": mp}
     if fsdp.offload_params:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device_type != "cpu")
+    if fsdp.expert_parallel_size > 1:
+        blocks = [block for _, block in moe_blocks(model.hf)]
+        if not blocks:
+            raise ValueError(
+                f"worker.actor.fsdp.expert_parallel_size={fsdp.expert_parallel_size}: "
+                f"{model.config.model_type} has no experts to shard; set 1"
+            )
+        mesh = expert_mesh(world.device_type, world.world_size, fsdp.expert_parallel_size)
+        shard_experts(blocks, mesh, world.world_size, **kwargs)
     for block in vision_blocks(model.hf) + decoder_layers(model.hf):
         fully_shard(block, reshard_after_forward=True, **kwargs)
     fully_shard(model, reshard_after_forward=True, **kwargs)

@@ -6,6 +6,8 @@ never travel) and handed to vLLM's `reload_weights` as `(hf_name, full_tensor)` 
 every rank. With tied embeddings `lm_head.weight` is sent too (vLLM keeps the old head otherwise).
 Each tensor goes out as vLLM's loader reads it (`layout`: the family's `hub_tensors`, which transposes
 Qwen3-VL-MoE's fused experts and splits Qwen3.5-MoE's into one tensor per expert; the identity elsewhere).
+Expert-parallel experts (`worker.actor.fsdp.expert_parallel_size` > 1: 2-D DTensors, experts by EP rank,
+then rows by FSDP rank) are one block of rows per rank too, gathered in their layer's bucket like any shard.
 
 LoRA, merged mode: the adapters never travel on their own; each adapted base weight is sent under its HF
 name as `W + alpha / r * B @ A` (computed in fp32 after gathering the base in the rollout dtype and the
@@ -16,11 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
+from functools import cache
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from spmd_grpo.models.lora import is_adapter_name, merge_sources, merged_weight
 from spmd_grpo.models.weights import hf_name
@@ -95,7 +100,7 @@ def iter_weight_buckets(
     embed_name = next((n for n, _ in params if n.endswith("embed_tokens.weight")), None)
     itemsize = torch.empty((), dtype=dtype).element_size()
     for bucket in _buckets(params, itemsize, bucket_bytes):
-        sharded = [(n, p) for n, p in bucket if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)]
+        sharded = [(n, p) for n, p in bucket if is_row_sharded(p)]
         gathered = _GatheredBucket(sharded, dtype) if sharded else None
         lm_head_from = embed_name if tie_word_embeddings else None
         tensors = _bucket_tensors(bucket, gathered, dtype, lm_head_from, merges, layout)
@@ -142,60 +147,84 @@ def iter_sharded_weights(
         yield from tensors
 
 
-class _GatheredBucket:
-    """The full tensors of a bucket of FSDP2 dim-0 shards, gathered in the rollout dtype into ONE buffer.
+def is_row_sharded(p: torch.Tensor) -> bool:
+    """A DTensor whose every mesh dimension splits dim 0 (FSDP's `Shard(0)`; with expert parallelism the
+    experts' `_StridedShard(0)` x `Shard(0)`): each rank holds one contiguous block of rows."""
+    return isinstance(p, DTensor) and all(
+        isinstance(pl, Shard | _StridedShard) and pl.dim == 0 for pl in p.placements
+    )
 
-    FSDP2 splits dim 0 like torch.chunk: rank r holds rows [r*c, min(N, (r+1)*c)) with c = ceil(N / world).
-    Each rank pads its shard to c rows so every rank contributes the same flat size. The receive buffer
-    `recv` is [world, per_rank_numel], rank-major. There is no send buffer: each rank casts its shards
-    straight into its own row `recv[rank]` (`copy_` casts, no fp32->dtype temporary), then the other rows
-    are filled in place:
+
+@cache
+def _row_blocks(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) -> list[tuple[int, int]]:
+    """(first row, number of rows) of a DTensor's block on each rank of its mesh, in the order of the
+    mesh's flattened ranks (FSDP2 splits like torch.chunk: the last ranks may hold fewer rows, or none).
+    Cached: a model has few distinct (shape, mesh, placements)."""
+    blocks = []
+    for rank in mesh.mesh.flatten().tolist():
+        coordinate = [int(c) for c in (mesh.mesh == rank).nonzero()[0]]
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh.shape, coordinate, placements)
+        blocks.append((offset[0], local[0]))
+    return blocks
+
+
+class _GatheredBucket:
+    """The full tensors of a bucket of dim-0 shards, gathered in the rollout dtype into ONE buffer.
+
+    Each rank holds a contiguous block of each tensor's rows: FSDP2 splits dim 0 like torch.chunk (rank r
+    holds rows [r*c, min(N, (r+1)*c)) with c = ceil(N / world)); expert-parallel experts are split by EP
+    rank, then by FSDP rank inside it, so their blocks come in another rank order (`_row_blocks`). Each
+    rank pads its block to the largest block so every rank contributes the same flat size. The receive
+    buffer `recv` is [world, per_rank_numel], rank-major. There is no send buffer: each rank casts its
+    shards straight into its own row `recv[rank]` (`copy_` casts, no fp32->dtype temporary), then the other
+    rows are filled in place:
       - nccl / hccl: `all_gather_into_tensor(recv, recv[rank])`, the in-place form (input = this rank's
         slice of the output), which PyTorch documents for NCCL;
       - otherwise (gloo): one `broadcast(recv[r], src=r)` per rank. Gloo has no in-place all-gather and its
         `all_gather_into_tensor` allocates a second receive-sized temporary (measured with 2 ranks: send +
         receive + temporary = 2.5 x the bucket live); a broadcast writes into `recv[r]` directly.
-    So the gather holds one receive buffer (`num_bytes`) and nothing else (previously also a 1/world-sized
-    send buffer, plus gloo's receive-sized temporary). A parameter's rows are strided in it: `take` copies
-    one parameter out at a time (peak = this bucket + the parameters the consumer still holds, never two
-    buckets).
+    So the gather holds one receive buffer (`num_bytes`) and nothing else. A parameter's rows are strided
+    in it: `take` copies one parameter out at a time, its blocks in row order (peak = this bucket + the
+    parameters the consumer still holds, never two buckets). Every tensor's mesh spans the whole world
+    (the default group), in the default group's rank order.
     """
 
     def __init__(self, sharded: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
-        group = sharded[0][1].device_mesh.get_group()
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.layout: dict[
-            str, tuple[tuple[int, ...], int, int, int]
-        ] = {}  # name -> (shape, rows, offset, numel)
-        offset = 0
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.layout: dict[str, tuple[tuple[int, ...], list[tuple[int, int]], int, int]] = {}
+        offset = 0  # name -> (shape, row blocks per rank, offset in a rank's row of recv, numel per rank)
         for name, p in sharded:
-            c = math.ceil(p.shape[0] / world)
-            numel = c * math.prod(p.shape[1:])
-            self.layout[name] = (tuple(p.shape), c, offset, numel)
+            assert p.device_mesh.mesh.flatten().tolist() == list(range(world)), name
+            blocks = _row_blocks(tuple(p.shape), p.device_mesh, tuple(p.placements))
+            numel = max(rows for _, rows in blocks) * math.prod(p.shape[1:])
+            self.layout[name] = (tuple(p.shape), blocks, offset, numel)
             offset += numel
         device = sharded[0][1].to_local().device
         self.recv = torch.empty(world, offset, dtype=dtype, device=device)
         own = self.recv[rank]
         for name, p in sharded:
-            shape, c, off, numel = self.layout[name]
+            shape, blocks, off, numel = self.layout[name]
             local = p.to_local().detach()
-            expected_rows = max(0, min(shape[0], (rank + 1) * c) - rank * c)
-            assert local.shape[0] == expected_rows, (name, tuple(local.shape), expected_rows)
+            assert local.shape[0] == blocks[rank][1], (name, tuple(local.shape), blocks[rank])
             n = local.numel()
             own[off : off + n].view(local.shape).copy_(local)  # cast into place
             own[off + n : off + numel].zero_()  # padding rows (dropped by `take`)
+        group = dist.group.WORLD
         if _inplace_all_gather(group, device):
             dist.all_gather_into_tensor(self.recv.view(-1), own, group=group)
         else:
             for r in range(world):
-                dist.broadcast(self.recv[r], src=dist.get_global_rank(group, r), group=group)
-        self.world = world
+                dist.broadcast(self.recv[r], src=r, group=group)
         self.num_bytes = self.recv.numel() * self.recv.element_size()
 
     def take(self, name: str) -> torch.Tensor:
-        shape, c, offset, numel = self.layout[name]
-        per_rank = self.recv[:, offset : offset + numel]
-        return per_rank.reshape(self.world * c, *shape[1:])[: shape[0]].contiguous()
+        shape, blocks, offset, _ = self.layout[name]
+        row = math.prod(shape[1:])
+        pieces = [
+            self.recv[r, offset : offset + rows * row].view(rows, *shape[1:])
+            for r, (_, rows) in sorted(enumerate(blocks), key=lambda item: item[1][0])
+        ]
+        return torch.cat(pieces)
 
 
 def _inplace_all_gather(group, device: torch.device) -> bool:

@@ -1,5 +1,6 @@
 """Checkpoint / resume under real torchrun (gloo, CPU, FSDP2 policy, AdamW): exact resume at the same world
-size, resharded resume at another one. The job is tests/jobs/checkpoint_roundtrip.py."""
+size, resharded resume at another one, and an expert-parallel MoE checkpoint resumed without expert
+parallelism. The job is tests/jobs/checkpoint_roundtrip.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from spmd_grpo.run.checkpoint_dirs import damaged_parts
-from tests.conftest import CHECKPOINT_JOB, torchrun
+from tests.conftest import CHECKPOINT_JOB, tiny_model, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,25 @@ def resume(saved, tiny_untied, nproc: int, lora_rank: int = 0) -> dict:
     work, _ = saved
     out = work / f"resume{nproc}.pt"
     job = [CHECKPOINT_JOB, "--phase", "resume", "--case", str(tiny_untied), str(work / "run"), str(out)]
-    torchrun([*job, str(lora_rank)], nproc=nproc)
+    torchrun([*job, str(lora_rank), "1"], nproc=nproc)
     return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def resumed(saved, tiny_untied, saved_checkpoints) -> dict:
+    """{(case, nproc): what the resume recorded}, one launch per world size for both cases: "dense" (the
+    Qwen2.5-VL checkpoint) and "moe" (Qwen3-VL-MoE saved at expert_parallel_size=2, resumed at 1)."""
+    moe = tiny_model(family="qwen3_vl_moe")
+    cases = {"dense": (tiny_untied, saved[0]), "moe": (moe, saved_checkpoints(moe))}
+    out = {}
+    for nproc in (2, 1):
+        job = [CHECKPOINT_JOB, "--phase", "resume"]
+        for model_dir, work in cases.values():
+            job += ["--case", str(model_dir), str(work / "run"), str(work / f"resume{nproc}.pt"), "0", "1"]
+        torchrun(job, nproc=nproc)
+        for case, (_, work) in cases.items():
+            out[case, nproc] = torch.load(work / f"resume{nproc}.pt", weights_only=False)
+    return out
 
 
 def assert_same_training_state(ref: dict, got: dict) -> None:
@@ -56,9 +74,9 @@ def test_saved_directory_layout(saved):
     assert damaged_parts(copy) == [f"{copy / 'rng' / 'rank1.pt'}: missing"]
 
 
-def test_resume_same_world_continues_exactly(saved, tiny_untied):
+def test_resume_same_world_continues_exactly(saved, resumed, tiny_untied):
     _, ref = saved
-    got = resume(saved, tiny_untied, nproc=2)
+    got = resumed["dense", 2]
     state = got["trainer_state"]
     assert state["step"] == 2 and state["policy_version"] == 2 and state["world_size"] == 2
     assert state["sampler"]["position"] == 2 and state["model_path"] == str(tiny_untied)
@@ -71,9 +89,9 @@ def test_resume_same_world_continues_exactly(saved, tiny_untied):
     assert any(not torch.equal(t, ref["at_save"]["params"][n]) for n, t in ref["params_after"].items())
 
 
-def test_resume_at_world_one_reshards(saved, tiny_untied):
+def test_resume_at_world_one_reshards(saved, resumed):
     _, ref = saved
-    got = resume(saved, tiny_untied, nproc=1)
+    got = resumed["dense", 1]
     assert got["world_size"] == 1 and got["trainer_state"]["world_size"] == 2
     assert_same_training_state(ref["at_save"], got["at_save"])
     assert got["next_prompts"] == ref["next_prompts"]
@@ -106,3 +124,17 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_at_world_one(tiny_untie
         torch.testing.assert_close(got["params_after"][name], t, rtol=0, atol=1e-5, msg=name)
     moved = [n for n, t in ref["params_after"].items() if not torch.equal(t, ref["at_save"]["params"][n])]
     assert moved and all(is_adapter_name(n) for n in moved)  # only adapters train
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_expert_parallel_checkpoint_resumes_without_expert_parallelism(saved_checkpoints, resumed, nproc):
+    """Saved at expert_parallel_size=2 (each rank 4 of the 8 experts, 2-D DTensors), resumed at EP=1 on 2
+    ranks (experts FSDP-sharded by rows) and on 1: the same weights, Adam moments and schedule, and the
+    next step agrees to rounding (another reduction order)."""
+    ref = torch.load(saved_checkpoints(tiny_model(family="qwen3_vl_moe")) / "save.pt", weights_only=False)
+    got = resumed["moe", nproc]
+    assert got["trainer_state"]["world_size"] == 2 and got["world_size"] == nproc
+    assert any(n.endswith("experts.gate_up_proj") for n in ref["at_save"]["exp_avg"])
+    assert_same_training_state(ref["at_save"], got["at_save"])
+    for name, t in ref["params_after"].items():
+        torch.testing.assert_close(got["params_after"][name], t, rtol=0, atol=1e-5, msg=name)

@@ -28,7 +28,7 @@ def grads(tiny_untied, tmp_path_factory):
         path = tmp_path_factory.mktemp("grads") / f"w{world}.pt"
         job = ["tests/jobs/grad_invariance.py", str(tiny_untied), str(path), "--micro", micros]
         job += ["--budgets", ",".join(map(str, BUDGETS))]
-        job += ["--fused", "--expert-parallel"] if world == 2 else []
+        job += ["--fused"] if world == 2 else []
         torchrun([*job, "--modes", ",".join(MODES), "--variants"], nproc=world)
         out.update({(world, *key): g for key, g in torch.load(path).items()})
     return out
@@ -48,7 +48,9 @@ def _max_rel(a, b):
 def test_moe_and_hybrid_gradient_does_not_depend_on_the_micro_batch(tmp_path):
     """Qwen3.5-MoE (routed experts with no capacity, a shared expert, Gated DeltaNet layers), 2 ranks: one
     sample per micro-batch and 4 per micro-batch give the same gradient, padded and packed (a token's
-    experts and its linear-attention state depend on its own sequence only)."""
+    experts and its linear-attention state depend on its own sequence only); with expert parallelism
+    (worker.actor.fsdp.expert_parallel_size=2) the policy, its LoRA adapters and the reference give the
+    numbers of EP=1."""
     path = tmp_path / "moe.pt"
     job = [
         "tests/jobs/grad_invariance.py",
@@ -57,12 +59,33 @@ def test_moe_and_hybrid_gradient_does_not_depend_on_the_micro_batch(tmp_path):
         "--micro",
         "4,1",
     ]
-    torchrun([*job, "--modes", "token-mean", "--budgets", "86", "--variants"], nproc=2)
+    job += ["--modes", "token-mean", "--budgets", "86", "--variants", "--expert-parallel"]
+    torchrun(job, nproc=2)
     g = torch.load(path)
     assert _max_rel(g["token-mean", 4], g["token-mean", 1]) <= 1e-5
     assert _max_rel(g["token-mean", 4], g["token-mean", "budget86"]) <= 1e-5
     assert _max_rel(g["token-mean", 1], g["packed",]) <= 1e-5
     assert any(".experts." in n and t.abs().max() > 0 for n, t in g["token-mean", 1].items())
+    # The trainer's policy with expert_parallel_size=2 (each rank 4 of the 8 experts, all-to-all dispatch,
+    # the experts' FSDP over the remaining rank, gradients averaged over the data-parallel ranks): every
+    # gradient and the clipping norm of EP=1, per-micro-batch and with the mini-batch's micro-batches.
+    for micro in (4, 1):
+        unsharded, sharded = g["token-mean", micro], g["ep", micro]
+        assert set(unsharded) == set(sharded) and any(n.endswith("experts.gate_up_proj") for n in sharded)
+        assert all(t.abs().max() > 0 for n, t in sharded.items() if n.endswith("experts.down_proj"))
+        assert _max_rel(unsharded, sharded) <= 1e-5, micro
+        norm = unsharded["__clip_grad_norm__"].item()
+        assert abs(sharded["__clip_grad_norm__"].item() - norm) <= 1e-5 * norm
+    # The reference (forward only, built as the trainer builds it) at EP=2: the EP=1 policy's logprobs.
+    assert len(g["ep-ref", 2]) == 4 and sum(t.numel() for t in g["ep-ref", 2]) > 0
+    for a, b in zip(g["ep-ref", 1], g["ep-ref", 2], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    # LoRA on the frozen expert-parallel base: the adapters' gradients (reaching the layers below the
+    # experts through the all-to-all's backward) are those of EP=1.
+    lora1, lora2 = g["ep-lora", 1], g["ep-lora", 2]
+    assert set(lora1) == set(lora2) and len(lora2) > 10
+    assert all(".lora_" in n for n in lora2 if not n.startswith("__"))
+    assert _max_rel(lora1, lora2) <= 1e-5
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -140,12 +163,3 @@ def test_old_logprobs_from_update_forward_are_exact(grads):
         assert torch.equal(g_sep[name], g_fwd[name]), name
     assert sums_sep == sums_fwd and sums_sep["actor/pg_loss"][0] != 0
     assert len(old_fwd) == 8 and all(torch.equal(a, b) for a, b in zip(old_sep, old_fwd, strict=True))
-
-
-def test_expert_parallel_gradients_equal_unsharded_experts(grads):
-    """A tiny MoE with its experts sharded over 2 ranks (ExpertParallel: all-to-all dispatch and combine)
-    gives every gradient of the unsharded experts, each rank routing its own tokens."""
-    unsharded, sharded = grads[2, "ep", 1], grads[2, "ep", 2]
-    assert set(unsharded) == set(sharded) and any(n.endswith("experts.gate_up_proj") for n in sharded)
-    assert all(g.abs().max() > 0 for n, g in sharded.items() if "experts" in n)
-    assert _max_rel(unsharded, sharded) <= 1e-5

@@ -43,7 +43,8 @@ CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qw
     # The MoE and hybrid families: Qwen3.5 in bf16, the only dtype of vLLM CPU's linear-attention kernel;
     # Qwen3-VL-MoE in fp32 (transposed fused experts on the way to vLLM) and Qwen3.5-MoE in bf16 (hybrid
     # layers, shared expert, per-expert tensors); their pushes rely on the engine's re-pack of vLLM CPU's
-    # fused experts (rollout/moe_reload.py): without it they differ by 6e-2 and more.
+    # fused experts (rollout/moe_reload.py): without it they differ by 6e-2 and more. Qwen3-VL-MoE's policy
+    # is expert-parallel (EP_FAMILIES): each rank updates 4 of the 8 experts, the push gathers them.
     ("qwen3_5", 1, False, ""),
     ("qwen3_vl_moe", 1, False, ""),
     ("qwen3_5_moe", 1, False, ""),
@@ -51,6 +52,8 @@ CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qw
 BF16 = {"qwen3_5", "qwen3_5_moe"}
 """Families whose rollout runs in bf16 on the CPU; their bound is the one the dense families meet in bf16
 (tests/gpu: mean |vLLM - trainer| per token < 0.05 and 5x below the stale weights' mean)."""
+EP_FAMILIES = {"qwen3_vl_moe"}
+"""Families trained with worker.actor.fsdp.expert_parallel_size=2 here (the case's cost is unchanged)."""
 VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1, False)}
 """Cases whose prompts include videos and image + video prompts (one per family, no extra vLLM start)."""
 TP2 = [c for c in CASES if c[1] == 2]
@@ -63,6 +66,7 @@ def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
     model_dir = tiny_model(tie_word_embeddings=tied, family=family)
     job = [str(model_dir), str(out), "--tp", str(tp), "--dtype", "bfloat16" if family in BF16 else "float32"]
     job += ["--videos"] if (family, tp, tied) in VIDEO_CASES and not lora else []
+    job += ["--expert-parallel", "2"] if family in EP_FAMILIES else []
     if lora:
         head = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
         job += ["--lora-rank", "8", "--lora-targets", "all-linear" if tied else head, "--lora-sync", lora]
@@ -121,6 +125,9 @@ def test_parity_after_update_and_staleness(family, tp, tied, lora, parity_runs):
             "mm_processor_kwargs": sizes.processor_kwargs(),
         }, r["engine"]
         assert r["tied"] == tied
+        assert r["unbucketed"] == []  # every shard reaches vLLM through its layer's bucket
+        if family in EP_FAMILIES:
+            assert r["expert_meshes"] == ["('efsdp', 'ep')"], r["expert_meshes"]
         assert r["num_response_tokens"] > 0
         print({k: v for k, v in r.items() if k.endswith(("_max", "_mean"))})  # the figures, for the record
         if dtype == "bfloat16":

@@ -1,9 +1,10 @@
 """torchrun job: train, checkpoint, resume in a fresh process (any world size), continue identically.
 
-    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase save --case MODEL_DIR RUN_DIR OUT.pt R ...
-    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase resume --case MODEL_DIR RUN_DIR OUT.pt R
+    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase save --case MODEL_DIR RUN_DIR OUT.pt R EP ...
+    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase resume --case MODEL_DIR RUN_DIR OUT.pt R EP
 
-Each `--case` is one model with its own run directory, result file and LoRA rank (0: full fine-tuning); the
+Each `--case` is one model with its own run directory, result file, LoRA rank (0: full fine-tuning) and
+`worker.actor.fsdp.expert_parallel_size` (an MoE model: saved at one EP size, resumed at another); the
 cases run one after the other in the same process group, each from the same seeds, so one launch serves all
 the models a test session needs.
 
@@ -105,18 +106,20 @@ def main() -> None:
     ap.add_argument("--phase", choices=["save", "resume"], required=True)
     ap.add_argument(
         "--case",
-        nargs=4,
+        nargs=5,
         action="append",
         required=True,
-        metavar=("MODEL_DIR", "RUN_DIR", "OUT", "LORA_RANK"),
+        metavar=("MODEL_DIR", "RUN_DIR", "OUT", "LORA_RANK", "EP"),
     )
     args = ap.parse_args()
     world = init_distributed("cpu")
-    for model_dir, run_dir, out, lora_rank in args.case:
-        run_case(world, model_dir, Path(run_dir), out, args.phase, int(lora_rank))
+    for model_dir, run_dir, out, lora_rank, ep in args.case:
+        run_case(world, model_dir, Path(run_dir), out, args.phase, int(lora_rank), int(ep))
 
 
-def run_case(world, model_dir: str, run_dir: Path, out_path: str, phase: str, lora_rank: int) -> None:
+def run_case(
+    world, model_dir: str, run_dir: Path, out_path: str, phase: str, lora_rank: int, ep: int
+) -> None:
     from transformers import AutoProcessor
 
     seed_everything(7 + world.rank)
@@ -126,7 +129,7 @@ def run_case(world, model_dir: str, run_dir: Path, out_path: str, phase: str, lo
         optim=OptimConfig(
             lr=5e-2 if lora_rank else 1e-3, lr_warmup_steps=4, lr_scheduler="cosine", min_lr_ratio=0.1
         ),
-        fsdp=FSDPConfig(param_dtype="float32"),
+        fsdp=FSDPConfig(param_dtype="float32", expert_parallel_size=ep),
     )
     policy = build_policy(actor, world)
     optim = build_optimizer(policy, actor.optim, TOTAL_STEPS)

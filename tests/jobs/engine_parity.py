@@ -22,6 +22,8 @@ suffix) holding:
                        (large: proves the parity check can fail)
   nosync_old_diff_max  ... and against the weights the engine still holds (small)
   group_outputs      token ids of every sample the TP group generated (identical within a group)
+  unbucketed         sharded parameters the push would gather whole outside its buckets (none expected)
+  expert_meshes      the mesh dimension names of the expert weights (("efsdp", "ep") under expert parallelism)
   own_uids           uids of the prompts whose samples this rank kept
 """
 
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
+from torch.distributed.tensor import DTensor
 
 from spmd_grpo.actor.micro_batches import collate_samples
 from spmd_grpo.config.loader import load_config
@@ -49,6 +52,7 @@ from spmd_grpo.rollout.generate import (
     generate,
     generate_for_group,
 )
+from spmd_grpo.rollout.weight_sync import is_row_sharded
 from tests.jobs.common import VIDEO_DATA, chat_text, make_video, new_process_group, run_job
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
@@ -154,6 +158,7 @@ def case_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full)")
     ap.add_argument("--lora-targets", default="all-linear", help="worker.actor.model.lora.target_modules")
     ap.add_argument("--lora-sync", default="merged", help="worker.rollout.lora_sync")
+    ap.add_argument("--expert-parallel", type=int, default=1, help="worker.actor.fsdp.expert_parallel_size")
     return ap
 
 
@@ -181,6 +186,7 @@ def run_case(args: argparse.Namespace, world) -> None:
             f"worker.actor.model.lora.rank={args.lora_rank}",
             f"worker.actor.model.lora.target_modules={args.lora_targets}",
             f"worker.rollout.lora_sync={args.lora_sync}",
+            f"worker.actor.fsdp.expert_parallel_size={args.expert_parallel}",
         ],
     )
     VIDEOS["video_in_forward"] = args.videos
@@ -269,6 +275,13 @@ def run_case(args: argparse.Namespace, world) -> None:
         "sync_bytes": engine.stats.last_sync_bytes,
         "lora_ids": sorted(engine.llm.llm_engine.list_loras()) if engine.adapters else [],
         "engine": engine.settings(),
+        # Sharded weights the push gathers whole, outside its buckets (none: every shard is a block of rows)
+        "unbucketed": [
+            n for n, t in policy.named_parameters() if isinstance(t, DTensor) and not is_row_sharded(t)
+        ],
+        "expert_meshes": sorted(
+            {str(t.device_mesh.mesh_dim_names) for n, t in policy.named_parameters() if ".experts." in n}
+        ),
     }
     out = Path(args.out_json)
     out.with_name(f"{out.stem}.rank{world.rank}{out.suffix}").write_text(json.dumps(result))

@@ -13,6 +13,10 @@ holds 5 (uneven token counts and micro-batch counts: rank 0 pads with zero-weigh
 With `--fused`: {("fused", "separate" | "forward"): (gradient, losses)} on an exactly on-policy mini-batch,
 old logprobs from a forward-only pass or from the update's own forward, and the rank's micro-batch counts
 {("num_micro_batches", case): [per rank]}.
+With `--expert-parallel` (an MoE model): {("ep", micro): gradient} of the token-mean loss at
+`expert_parallel_size` = world size, for each micro-batch size, and {("ep-lora", P): ...} of LoRA adapters
+at EP = 1 and EP = world size, and {("ep-ref", P): logprobs} of the policy at EP = 1 and of the reference
+built at EP = world size.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from spmd_grpo.actor.logprob_pass import compute_logprobs
 from spmd_grpo.actor.optimizer import clip_grad_norm
 from spmd_grpo.actor.spec import UpdateSpec
 from spmd_grpo.actor.update import mini_batch_backward
-from spmd_grpo.config.workers import ActorConfig, FSDPConfig, ModelConfig
+from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, ModelConfig, RefConfig
 from spmd_grpo.data.samples import Prompt, Sample
-from spmd_grpo.models.build import build_policy
+from spmd_grpo.models.build import build_policy, build_reference
 from spmd_grpo.models.families import family_of
 from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from tests.jobs.common import encode, run_job
@@ -131,7 +135,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also packed / reused-image-feature cases")
     ap.add_argument("--budgets", default="", help="comma-separated token budgets (dynamic batching)")
     ap.add_argument("--fused", action="store_true", help="old logprobs from the update's forward vs a pass")
-    ap.add_argument("--expert-parallel", action="store_true", help="a tiny MoE at EP=1 and EP=world")
+    ap.add_argument("--expert-parallel", action="store_true", help="MoE: also the policy at EP=world")
     args = ap.parse_args()
     from transformers import AutoProcessor
 
@@ -174,39 +178,37 @@ def main() -> None:
         spec = dataclasses.replace(base, micro_batch_size=2, experience_micro_batch_size=2)
         out.update(fused_cases(policy, samples, spec, world))
     if args.expert_parallel:
-        out.update(expert_parallel_grads(world))
+        micros = list(map(int, args.micro.split(",")))
+        out.update(expert_parallel_grads(policy, actor, processor, base, micros, world))
     if world.rank == 0:
         torch.save(out, args.out)
 
 
-def expert_parallel_grads(world) -> dict:
-    """{("ep", P): {name: full gradient}} of a tiny Qwen3-VL-MoE (8 experts, top-2, fp32) for the same
-    tokens (each rank its own rows), with the experts unsharded (P = 1) and expert-parallel over every rank
-    (`ExpertParallel`, P = world size). The loss is summed over ranks: unsharded and dense gradients are
-    all-reduced, expert-parallel ones are already sums (every rank's tokens reach an expert's owner)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from spmd_grpo.models.moe.expert_parallel import ExpertParallel
-    from spmd_grpo.models.moe.install import install_moe, moe_blocks
-    from spmd_grpo.parallel.collectives import all_reduce_sum
-    from tests.jobs.common import logprobs, moe_tokens, tiny_moe_model
-
-    mesh = init_device_mesh("cpu", (world.world_size,))
-    ids, mask = moe_tokens(seed=1 + world.rank)
-    out = {}
-    for ep in (1, world.world_size):
-        model = tiny_moe_model("qwen3_vl_moe")
-        install_moe(model)
-        for _, block in moe_blocks(model) if ep > 1 else []:
-            parallelize_module(block.experts, mesh, ExpertParallel())
-        (logprobs(model, ids, mask) * (1 + world.rank)).sum().backward()
-        out[("ep", ep)] = {
-            name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else all_reduce_sum(p.grad)
-            for name, p in model.named_parameters()
-            if p.grad is not None
-        }
+def expert_parallel_grads(
+    policy, actor: ActorConfig, processor, spec: UpdateSpec, micros: list[int], world
+) -> dict:
+    """{("ep", micro): gradient} of the policy built with `worker.actor.fsdp.expert_parallel_size` = the
+    world size (experts sharded by index over the ranks, all-to-all dispatch, the experts' own FSDP unit
+    over the remaining ranks), for the same samples as the unsharded cases; {("ep-lora", P): gradient} of
+    rank-4 LoRA adapters on the frozen base at EP = P (1 and the world size), the first micro-batch size;
+    {("ep-ref", P): rank 0's logprobs} of `policy` (P = 1) and of the reference built at EP = world size."""
+    ep = world.world_size
+    fsdp = dataclasses.replace(actor.fsdp, expert_parallel_size=ep)
+    mine = make_samples(processor, 256)[rank_rows(world)]
+    out = {("ep-ref", 1): compute_logprobs(policy, mine, spec)}
+    reference = build_reference(dataclasses.replace(actor, fsdp=fsdp), RefConfig(), world)
+    out["ep-ref", ep] = compute_logprobs(reference, mine, spec)
+    del reference
+    for lora_rank, size in ((0, ep), (4, 1), (4, ep)):
+        model = dataclasses.replace(actor.model, lora=LoRAConfig(rank=lora_rank, alpha=8.0))
+        fsdp = dataclasses.replace(actor.fsdp, expert_parallel_size=size)
+        policy = build_policy(dataclasses.replace(actor, model=model, fsdp=fsdp), world)
+        experts = [p for n, p in policy.named_parameters() if n.endswith("experts.gate_up_proj")]
+        assert experts and all(p.device_mesh.ndim == (2 if size > 1 else 1) for p in experts)
+        for micro in micros if not lora_rank else micros[:1]:
+            case = dataclasses.replace(spec, micro_batch_size=micro, experience_micro_batch_size=micro)
+            key = ("ep-lora", size) if lora_rank else ("ep", micro)
+            out[key] = gradient(policy, make_samples(processor, 256), case, world)
     return out
 
 

@@ -14,15 +14,39 @@ EP group), e = E / P local experts, R pairs received for the local experts.
     combine               the inverse permutation, the all-to-all back, weights and the per-token sum
 
 The router and everything else stay replicated; only the experts module knows about EP, and its result
-equals the unsharded module's (tests/distributed/test_update_invariance.py: gradients at EP=2 equal EP=1 on
-2 CPU ranks). Both all-to-alls are differentiable (functional collectives' `all_to_all_single_autograd`, as torchtitan),
-so the backward sends each row's gradient back to its token's rank, and each EP rank's expert gradients
-sum the contributions of every rank's tokens: combined with data parallelism over other ranks, those
-gradients must be averaged over the data-parallel ranks only (FSDP's divide factor), not the world.
+equals the unsharded module's. Both all-to-alls are differentiable (functional collectives'
+`all_to_all_single_autograd`, as torchtitan), so the backward sends each row's gradient back to its
+token's rank, and each EP rank's expert gradients sum the contributions of every rank's tokens.
 
-Not done here: FSDP-sharding the experts over the ranks outside the EP group, the trainer's config key,
-checkpoints and the weight sync of EP-sharded experts. The dispatch syncs with the host once per layer (the
-split sizes), as torchtitan's does.
+In the trainer (`worker.actor.fsdp.expert_parallel_size` = P > 1; `models.build.shard_model`, for the policy
+and the reference alike): the world is viewed as a [world / P, P] mesh ("efsdp", "ep", `expert_mesh`), EP
+groups being runs of P consecutive ranks, so no device is added; every MoE layer's experts get
+`ExpertParallel` over "ep" and then their own FSDP2 unit over "efsdp" (`shard_experts`), before the decoder
+layers and the root are `fully_shard`-ed over all ranks as without EP. Expert weights become 2-D DTensors
+(experts by EP rank, then rows by efsdp rank), which is what the checkpoint (DCP stores global shapes and
+each rank's chunk, so a checkpoint saved at one EP size and world loads at any other), gradient clipping
+(one norm per mesh, `actor.optimizer.clip_grad_norm`) and the weight sync (each rank's experts are one
+block of rows, gathered in the bucket of their layer, `rollout.weight_sync`) read. Gradients: the experts'
+reduce-scatter divides by the world size, not by its own world / P ranks, so experts are averaged over the
+data-parallel ranks exactly as the dense weights are (tests/distributed/test_update_invariance.py:
+gradients at EP=2 equal EP=1 on 2 CPU ranks).
+
+Cost: per MoE layer and forward, two all-to-alls of [P, e] counts and two of the routed rows (T x K x H
+each way), the same again in the backward, and one host sync for the split sizes (`.tolist()`), which
+stops the host from running ahead of the device. The shards per rank are those of plain FSDP (E / world
+experts' worth); what EP saves is the gathered layer (each rank gathers its E / P experts over world / P
+ranks instead of all E over the world: 1 / P of the experts' all-gather traffic and peak) and the grouped
+GEMM runs over the local experts only.
+
+Deviations: torchtitan's current `apply_fsdp_to_decoder` shards a block's experts in the block's own FSDP
+unit with a per-parameter mesh (`shard_placement_fn` returning a mesh, private FSDP2 API); here the experts
+are their own unit (its earlier form: one more all-gather and reduce-scatter per MoE layer, public API). torchtitan turns
+FSDP's gradient division off and scales the loss itself; here FSDP divides and only the experts' divisor
+changes. No explicit FSDP prefetch (torchtitan sets it under EP because the host sync delays the implicit
+one: a GPU cost, not a correctness one); no `Shard(1)` of the experts when world > E (FSDP pads dim 0
+instead); no padding of each expert's rows to an alignment (the grouped GEMM here needs aligned strides
+only). verl's FSDP engine has no expert parallelism (it reaches EP through Megatron and other engines).
+LoRA adds adapters to linear layers only, so the experts stay frozen base weights and EP applies unchanged.
 """
 
 from __future__ import annotations
@@ -49,7 +73,8 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"{module.num_experts} experts do not divide over {device_mesh.size()} EP ranks")
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(module, name)
-            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)])
+            # Every rank holds the same weights (or meta tensors): each keeps its own experts, no scatter.
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.ep_group = device_mesh.get_group()
         module.forward = types.MethodType(expert_parallel_forward, module)
@@ -94,3 +119,40 @@ def expert_parallel_forward(
     inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
     back = all_to_all_single_autograd(out[inverse], send_splits, recv_splits, group)
     return combine(back, sorted_tokens).to(hidden.dtype)
+
+
+def expert_mesh(device_type: str, world_size: int, ep: int) -> DeviceMesh:
+    """The [world / ep, ep] mesh ("efsdp", "ep") over every rank: EP groups are runs of consecutive ranks
+    (rank r is EP rank r % ep), FSDP of the experts runs across them (torchtitan's `dp_shard_mod_ep` x
+    `dp_shard_in_ep`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+
+
+def shard_experts(blocks: list[nn.Module], mesh: DeviceMesh, world_size: int, **fsdp_kwargs) -> None:
+    """Expert-parallel and FSDP-shard the experts of every MoE block in `blocks`, before the decoder layers
+    are `fully_shard`-ed (each layer then skips the experts' parameters, which already have their unit).
+
+    Each experts module: `ExpertParallel` over `mesh["ep"]`, then its own FSDP unit over `mesh["efsdp"]`
+    (its weights become 2-D DTensors, experts by EP rank, then rows by FSDP rank). Gradients: an EP rank's
+    expert gradient already sums the tokens of its whole EP group (the all-to-all's backward), the
+    reduce-scatter sums over the efsdp ranks, and dividing by the world size (not the efsdp size, FSDP's
+    default) gives every expert the same average over data-parallel ranks as a dense weight. Over several
+    efsdp ranks the division is a sum then a post-division (`set_force_sum_reduction_for_comms`; gloo has
+    no pre-multiplied sum); over one, FSDP divides without a collective, and forcing the sum there would
+    divide twice (torch 2.13). The experts' inputs (routing weights included) stay in their dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mp = fsdp_kwargs.pop("mp_policy")
+    mp = MixedPrecisionPolicy(
+        param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=False
+    )
+    for block in blocks:
+        parallelize_module(block.experts, mesh["ep"], ExpertParallel())
+        fully_shard(
+            block.experts, mesh=mesh["efsdp"], mp_policy=mp, reshard_after_forward=True, **fsdp_kwargs
+        )
+        block.experts.set_gradient_divide_factor(float(world_size))
+        block.experts.set_force_sum_reduction_for_comms(mesh["efsdp"].size() > 1)
