@@ -135,8 +135,17 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
                 f"worker.actor.fsdp.expert_parallel_size={fsdp.expert_parallel_size}: "
                 f"{model.config.model_type} has no experts to shard; set 1"
             )
-        mesh = expert_mesh(world.device_type, world.world_size, fsdp.expert_parallel_size)
+        ep = fsdp.expert_parallel_size
+        mesh = expert_mesh(world.device_type, world.world_size, ep)
         shard_experts(blocks, mesh, world.world_size, **kwargs)
+        if world.is_main:
+            log.info(
+                "expert parallelism: the experts of %d MoE layers over EP groups of %d consecutive ranks, "
+                "FSDP-sharded over %d",
+                len(blocks),
+                ep,
+                world.world_size // ep,
+            )
     for block in vision_blocks(model.hf) + decoder_layers(model.hf):
         fully_shard(block, reshard_after_forward=True, **kwargs)
     fully_shard(model, reshard_after_forward=True, **kwargs)
