@@ -119,20 +119,26 @@ def attention_plan(positions: torch.Tensor) -> AttentionPlan:
     return plan
 
 
-_last_plan: list = [None, None]  # (positions, plan) of the last row: every layer of a forward asks again
+class LastRow:
+    """`build(positions)` for the last packed row, rebuilt only when its text positions change: every
+    attention layer of a forward asks again for the same row."""
+
+    def __init__(self, build) -> None:
+        self.build, self.positions, self.value = build, None, None
+
+    def __call__(self, positions: torch.Tensor):
+        seen = self.positions
+        if (
+            seen is None
+            or seen.shape != positions.shape
+            or seen.device != positions.device
+            or not torch.equal(seen, positions)
+        ):
+            self.value, self.positions = self.build(positions), positions.clone()
+        return self.value
 
 
-def _cached_plan(positions: torch.Tensor) -> AttentionPlan:
-    seen, plan = _last_plan
-    if (
-        seen is None
-        or seen.shape != positions.shape
-        or seen.device != positions.device
-        or not torch.equal(seen, positions)
-    ):
-        plan = attention_plan(positions)
-        _last_plan[:] = [positions.clone(), plan]
-    return plan
+_cached_plan = LastRow(attention_plan)
 
 
 FP32_ATTENTION_MAX_KEYS = 512

@@ -45,7 +45,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from spmd_grpo.models.attention import VARLEN_SDPA, row_roots, varlen_sdpa_mask
+from spmd_grpo.models.attention import VARLEN_SDPA, LastRow, row_roots, varlen_sdpa_mask
 
 FLEX_SHARED = "flex_shared"
 
@@ -81,30 +81,20 @@ def shared_row_mask_mod(positions: torch.Tensor):
     return mask_mod
 
 
-_last_mask: list = [
-    None,
-    None,
-]  # (positions, block mask) of the last row: every layer of a forward asks again
 _compiled: dict = {}
 
 
-def _block_mask(positions: torch.Tensor):
+def _build_block_mask(positions: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    seen, mask = _last_mask
-    if (
-        seen is None
-        or seen.shape != positions.shape
-        or seen.device != positions.device
-        or not torch.equal(seen, positions)
-    ):
-        n = positions.numel()
-        compiled = positions.device.type != "cpu"
-        mask = create_block_mask(
-            shared_row_mask_mod(positions), None, None, n, n, device=positions.device, _compile=compiled
-        )
-        _last_mask[:] = [positions.clone(), mask]
-    return mask
+    n = positions.numel()
+    compiled = positions.device.type != "cpu"
+    return create_block_mask(
+        shared_row_mask_mod(positions), None, None, n, n, device=positions.device, _compile=compiled
+    )
+
+
+_block_mask = LastRow(_build_block_mask)
 
 
 def _flex(device_type: str):
