@@ -124,14 +124,13 @@ def check_family(cfg: Config) -> None:
         config = json.loads(config_file.read_text())
         error = family.checkpoint_config_error(config)
         require(not error, f"worker.actor.model.model_path={model_path!r}: {config_file}: {error}")
-        if family.moe is not None:
-            check_expert_count(model_path, config)
-            experts = config.get("text_config", config).get("num_experts")
+        if family.moe is not None and (experts := _num_experts(config)) is not None:
             require(
-                experts is None or experts % ep == 0,
+                experts % ep == 0,
                 f"worker.actor.fsdp.expert_parallel_size={ep} must divide the model's {experts} experts "
                 f"({config_file}: text_config.num_experts)",
             )
+            check_expert_count(model_path, experts)
     from spmd_grpo.models.build import resolve_dtype
     from spmd_grpo.parallel.devices import resolve_device_type
 
@@ -141,7 +140,13 @@ def check_family(cfg: Config) -> None:
     require(not error, f"worker.rollout.dtype={cfg.worker.rollout.dtype}: {error}; set bfloat16")
 
 
-def check_expert_count(model_path: str, config: dict) -> None:
+def _num_experts(config: dict) -> int | None:
+    """The experts per MoE layer a checkpoint's config.json names."""
+    text = config.get("text_config", config)
+    return text.get("num_experts", text.get("num_local_experts"))
+
+
+def check_expert_count(model_path: str, expected: int) -> None:
     """The experts an MoE checkpoint's first expert tensor holds (fused [E, ...] or one tensor per expert) are
     the number its config.json names: read from the safetensors headers, before anything is built (a
     mismatch otherwise fails inside the sharded load, naming no file)."""
@@ -149,10 +154,8 @@ def check_expert_count(model_path: str, config: dict) -> None:
 
     from safetensors import safe_open
 
-    text = config.get("text_config", config)
-    expected = text.get("num_experts", text.get("num_local_experts"))
     files = sorted(Path(model_path).glob("*.safetensors"))
-    if expected is None or not files:
+    if not files:
         return
     per_expert = re.compile(r"(.*\.experts)\.(\d+)\.")
     found: dict[str, set[int]] = {}
