@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import load_config
-from spmd_grpo.config.validate import env_world_size, validate
+from spmd_grpo.config.validate import validate
 from spmd_grpo.parallel.signals import exit_with_launcher
 from spmd_grpo.run.preflight import preflight
 from spmd_grpo.versions import VersionError, check_versions
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     try:
-        prepared = prepare(argv, env_world_size(), rank=rank)
+        prepared = prepare(argv, int(os.environ.get("WORLD_SIZE", "1")), rank=rank)  # torchrun's
     except (ConfigError, ValueError, VersionError) as e:
         if rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ:
             # Rank 0 decides what the job says: it checked the same config (and locked the run directory),

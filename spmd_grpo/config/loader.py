@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import typing
 from pathlib import Path
 from typing import Any
@@ -63,29 +64,20 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         what = "is a directory (give the path of a YAML file)" if path.is_dir() else "not found"
         raise ConfigError(f"config file {path} {what}")
     try:
-        with path.open(encoding="utf-8") as stream:  # a stream, so that errors name the file
-            raw = yaml.load(stream, Loader=_StrictLoader) or {}
+        data = path.read_bytes()
+        stream = io.StringIO(data.decode("utf-8"))
+        stream.name = str(path)  # YAML's errors name the file
+        raw = yaml.load(stream, Loader=_StrictLoader) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
-    except UnicodeDecodeError:
-        raise _not_utf8(path) from None
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} on line {line})") from None
     except OSError as e:
         raise ConfigError(f"config file {path} is not readable: {e.strerror}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     return raw
-
-
-def _not_utf8(path: Path) -> ConfigError:
-    """Where a file stops being UTF-8 (the decoder's error is relative to the chunk the reader held)."""
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-        where = "it changed while read"
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        where = f"byte {data[e.start]:#04x} on line {line}"
-    return ConfigError(f"{path}: not UTF-8 text ({where})")
 
 
 def last_wins(overrides: list[str]) -> list[str]:
@@ -241,13 +233,14 @@ def _suggest(dotted: str) -> str:
     return f"; did you mean {everywhere[0]}?" if everywhere else ""
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain YAML/JSON values (tuples as lists), as `config.yaml` reads back."""
+    return TypeAdapter(Config).dump_python(cfg, mode="json")
 
 
 def dump_yaml(cfg: Config, path: Path) -> None:
     """The resolved config as YAML (next to the run's logs and in every checkpoint)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(TypeAdapter(Config).dump_python(cfg, mode="json"), sort_keys=False))
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     tmp.replace(path)

@@ -6,16 +6,8 @@ type and range were checked when the config was loaded. Errors are `ConfigError`
 
 from __future__ import annotations
 
-import os
-
 from spmd_grpo.config.checks import BUILTIN_REWARDS, C_INT_MAX, require
 from spmd_grpo.config.schema import Config
-
-
-# ---------------------------------------------------------------------------------------- validation
-def env_world_size() -> int:
-    """World size from torchrun's environment (1 without torchrun); read before any process group exists."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def validate(cfg: Config, world_size: int) -> None:

@@ -217,7 +217,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def plain_config(cfg: Config) -> dict[str, Any]:
     """`cfg` as its saved `config.yaml` reads back (tuples as lists, floats as YAML writes them)."""
-    return yaml.safe_load(yaml.safe_dump(json.loads(json.dumps(to_dict(cfg))), sort_keys=False))
+    return yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def diff_configs(saved: dict[str, Any], new: dict[str, Any]) -> list[ConfigChange]:

@@ -337,7 +337,7 @@ def test_swanlab_calls(tmp_path, monkeypatch):
         "run",
         str(cfg.run_dir / "swanlog"),
     )
-    assert init["config"]["trainer"]["logger"] == ("swanlab",)
+    assert init["config"]["trainer"]["logger"] == ["swanlab"]  # plain values, as config.yaml
     assert swanlab.calls[1][1:] == ((STEPS[1],), {"step": 1})
     assert "response: a|b\nc" in swanlab.calls[5][1][0] and swanlab.calls[6][1][0]["val/generations"]
 
@@ -356,7 +356,7 @@ def test_mlflow_calls(tmp_path, monkeypatch):
     ]
     assert mlflow.calls[0][1] == ("spmd_grpo",) and mlflow.calls[1][2] == {"run_name": "run"}
     params = mlflow.calls[2][1][0]
-    assert params["trainer.logger"] == "('mlflow',)" and params["worker.rollout.n"] == "8"
+    assert params["trainer.logger"] == "['mlflow']" and params["worker.rollout.n"] == "8"
     metrics = mlflow.calls[5][2]["step"], mlflow.calls[5][1][0]
     assert metrics == (3, {mlflow_name(k): v for k, v in STEPS[3].items()})
     assert "val-core/color/acc/mean_at_1" in metrics[1]
