@@ -148,8 +148,9 @@ def main() -> None:
     import spmd_grpo.rollout.engine as engine_mod
     from spmd_grpo.config.loader import load_config
     from spmd_grpo.data.prompts import processor_sizes
-    from spmd_grpo.models.build import DTYPES, build_policy
+    from spmd_grpo.models.build import build_policy
     from spmd_grpo.parallel.collectives import init_distributed
+    from spmd_grpo.parallel.devices import DTYPES
     from spmd_grpo.rollout.engine import RolloutEngine
     from spmd_grpo.rollout.weight_sync import iter_weight_buckets
 

@@ -80,8 +80,8 @@ def prepare(argv: list[str], world_size: int, *, rank: int | None) -> tuple[Conf
             print(dry_run(cfg, nnodes, nproc, dry_run_options.get("device_memory_gb", 80)))
         return None
     validate(cfg, world_size)
-    preflight(cfg)
     check_versions()
+    preflight(cfg)
     from spmd_grpo.run.lock import check_not_locked, check_writable, lock_run_dir, name_holder
     from spmd_grpo.run.start import plan_start
 

@@ -69,18 +69,11 @@ from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
 from spmd_grpo.models.shared_flex import shared_prompt_attention
 from spmd_grpo.models.weights import load_safetensors_into
 from spmd_grpo.parallel.collectives import World, barrier
+from spmd_grpo.parallel.devices import DTYPES, resolve_dtype
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HUB_PATTERNS = ["*.json", "*.safetensors"]
-
-
-def resolve_dtype(name: str, device_type: str) -> torch.dtype:
-    """`auto` is bfloat16 on accelerators and float32 on CPU."""
-    if name == "auto":
-        return torch.float32 if device_type == "cpu" else torch.bfloat16
-    return DTYPES[name]
 
 
 def reference_dtype(actor: ActorConfig, ref: RefConfig, device_type: str) -> torch.dtype:

@@ -3,7 +3,8 @@
 `auto` picks npu when `torch_npu` imports and reports a device, else cuda when available, else cpu. The
 default process group gets a host backend as well (`cpu:gloo,cuda:nccl` / `cpu:gloo,npu:hccl`; gloo on cpu)
 so small bookkeeping collectives reduce CPU tensors without a device copy. Memory statistics, cache emptying,
-`expandable_segments`, synchronisation and seeding go through here; nothing else spells a device name.
+`expandable_segments`, synchronisation and seeding go through here; nothing else spells a device name. A
+dtype of `auto` is bfloat16 on accelerators and float32 on the CPU (`resolve_dtype`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ import numpy as np
 import torch
 
 BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl", "cpu": "gloo"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    """A config's dtype name; `auto` is bfloat16 on accelerators and float32 on CPU."""
+    if name == "auto":
+        return torch.float32 if device_type == "cpu" else torch.bfloat16
+    return DTYPES[name]
 
 
 def _import_torch_npu() -> ModuleType | None:

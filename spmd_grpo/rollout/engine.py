@@ -63,12 +63,11 @@ from torch import nn
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import LoRAConfig, RolloutConfig
 from spmd_grpo.data.prompts import ProcessorSizes
-from spmd_grpo.models.build import resolve_dtype
 from spmd_grpo.models.families import family_of
 from spmd_grpo.models.lora import merge_sources
 from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import World
-from spmd_grpo.parallel.devices import empty_cache, memory_line, set_expandable_segments
+from spmd_grpo.parallel.devices import empty_cache, memory_line, resolve_dtype, set_expandable_segments
 from spmd_grpo.rollout.lora_sync import AdapterSync, vllm_lora_kwargs
 from spmd_grpo.rollout.moe_reload import repack_on_worker
 from spmd_grpo.rollout.vllm_args import (

@@ -44,12 +44,12 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from spmd_grpo.models.families import family_of_model_path
 from spmd_grpo.models.weights import INDEX, hf_name
+from spmd_grpo.parallel.devices import DTYPES
 from spmd_grpo.run.checkpoint_dirs import TRAINER_STATE, missing_parts
 from spmd_grpo.run.export_lora import MODEL_PREFIX, adapter_keys, export_adapter
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Everything a model directory needs besides its weights (configs, tokenizer, processor, chat template, code).
 SIDE_FILE_SUFFIXES = {".json", ".txt", ".jinja", ".model", ".tiktoken", ".py"}
 NOT_COPIED = {INDEX, "pytorch_model.bin.index.json", TRAINER_STATE}

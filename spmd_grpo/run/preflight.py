@@ -131,8 +131,7 @@ def check_family(cfg: Config) -> None:
                 f"({config_file}: text_config.num_experts)",
             )
             check_expert_count(model_path, experts)
-    from spmd_grpo.models.build import resolve_dtype
-    from spmd_grpo.parallel.devices import resolve_device_type
+    from spmd_grpo.parallel.devices import resolve_device_type, resolve_dtype
 
     device_type = resolve_device_type(cfg.trainer.device)
     dtype = str(resolve_dtype(cfg.worker.rollout.dtype, device_type)).removeprefix("torch.")

@@ -179,7 +179,7 @@ def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
     assert calls == [(True, torch.float32, param_dtype, False), (False, built, gathered, True)]
     # LoRA: the frozen base is held in the compute dtype (the adapters are made fp32 inside build_sharded)
     from spmd_grpo.config.workers import LoRAConfig, ModelConfig
-    from spmd_grpo.models.build import resolve_dtype
+    from spmd_grpo.parallel.devices import resolve_dtype
 
     M.build_policy(replace(cfg, model=ModelConfig(lora=LoRAConfig(rank=8))), world)
     assert calls[-1] == (True, resolve_dtype(param_dtype, device_type), param_dtype, False)
