@@ -131,10 +131,10 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
         ep = fsdp.expert_parallel_size
         mesh = expert_mesh(world.device_type, world.world_size, ep)
         shard_experts(blocks, mesh, world.world_size, **kwargs)
-        if world.is_main:
+        if world.is_main and model.training:  # once: the policy's build, not the reference's
             log.info(
                 "expert parallelism: the experts of %d MoE layers over EP groups of %d consecutive ranks, "
-                "FSDP-sharded over %d",
+                "FSDP-sharded over %d (policy and reference)",
                 len(blocks),
                 ep,
                 world.world_size // ep,
@@ -295,6 +295,7 @@ def build_sharded(
     model.shared_prompt = shared_prompt_setup(cfg.shared_prompt, packed, world.device_type)
     if model.shared_prompt:  # flash attention's varlen kernel cannot give a response its prompt
         hf.set_attn_implementation(shared_prompt_attention(world.device_type))
+    model.train(training)
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)
