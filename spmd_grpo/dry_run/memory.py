@@ -11,8 +11,9 @@ What the figures assume:
 - Activations: with gradient checkpointing each layer keeps its input (tokens x hidden in bf16) for the
   backward, without it ~16 such tensors: an order-of-magnitude estimate. The recompute of one layer in the
   backward (its attention and MLP intermediates; for an MoE layer the tokens x top-k routed rows) is not
-  counted, nor the unsharded gradient of the layer being reduced. Logits: one chunk of `logprob_chunk_size`
-  tokens x vocab in fp32 and its gradient.
+  counted. Logits: one chunk of `logprob_chunk_size` tokens x vocab in fp32 and its gradient.
+- The layer being reduced (full fine-tuning): its unsharded gradient as autograd leaves it (param dtype) and
+  as the reduce-scatter takes it (reduce dtype), one layer's gathered parameters each.
 - Expert parallelism (`worker.actor.fsdp.expert_parallel_size` = EP; torchtitan's layout): EP rank p holds
   experts p x E/EP .. (p + 1) x E/EP - 1 of every MoE layer, FSDP-sharded over the world/EP ranks that hold the
   same experts; every other parameter (attention, routers, a shared expert, vision) is FSDP-sharded over the
@@ -175,9 +176,15 @@ def train_memory(cfg: Config, model: ModelCounts, b: Batches) -> dict[str, float
         gathered = (
             f"gathered bf16 layer, {model.num_experts // ep} of {model.num_experts} experts (+ prefetch)"
         )
+    layer = model.layer_params - model.layer_expert + model.layer_expert / ep  # what a rank gathers
+    reducing = {}
+    if not a.model.lora.enabled:
+        grads = BYTES[param_dtype(cfg)] + BYTES[a.fsdp.reduce_dtype]
+        reducing = {f"unsharded gradients of the layer being reduced ({grads} bytes/param)": grads * layer}
     return {
         **_state(cfg, model, b.world),
-        gathered: 2 * BF16 * (model.layer_params - model.layer_expert + model.layer_expert / ep),
+        gathered: 2 * BF16 * layer,
+        **reducing,
         reference: ref_bytes,
         f"logits chunk fp32 ({a.logprob_chunk_size} tokens x vocab)": 4
         * a.logprob_chunk_size
