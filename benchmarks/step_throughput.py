@@ -298,9 +298,12 @@ def ratio_samples(processor, prompts: int, n: int, length: int) -> list:
     for p in range(prompts):
         image = Image.new("RGB", (56, 56), ((60 * p) % 255, 120, 200))
         enc = processor(text=[text], images=[image], return_tensors="pt")
+        prompt = Prompt(
+            p, [], [image]
+        )  # one record for the group, as rollout makes it: shared prompts key on it
         for i in range(n):
             response = torch.randint(0, 256, (length,), generator=gen).tolist()
-            s = Sample(Prompt(p, [], [image]), i, enc["input_ids"][0].tolist(), response, [0.0] * length)
+            s = Sample(prompt, i, enc["input_ids"][0].tolist(), response, [0.0] * length)
             s.pixel_values, s.image_grid_thw = enc["pixel_values"], enc["image_grid_thw"]
             s.advantage = float(torch.randn((), generator=gen))
             samples.append(s)

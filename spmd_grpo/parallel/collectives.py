@@ -136,8 +136,17 @@ def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
-    """Every rank's `obj` (picklable), in rank order within `group`."""
-    if not dist.is_initialized():
+    """Every rank's `obj` (picklable), in rank order within `group`.
+
+    A group of one returns `[obj]` without a collective, like the reductions above, and not only because it
+    has nothing to exchange: gloo copies the pickled payload into the output on its own worker thread, and a
+    payload past torch's parallel grain (32768 bytes; the dataset's shard check at start-up is ~400 kB) makes
+    that thread start an OpenMP team of its own, which lives as long as the process group. libgomp then
+    manages more threads than the process has cores and stops spinning its idle workers between parallel
+    regions, so every parallel op of the main thread waits for a worker's wake-up: at 1 rank x 2 threads
+    (bf16) that made the update 1.4x and generation 1.2x slower for the whole run. Ranks of one thread have
+    no team to slow; several ranks of several threads each can still meet it through gloo."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)

@@ -202,7 +202,9 @@ def _write_files(
     """This rank's share of the checkpoint (DCP shards, RNG; rank 0: the scheduler and config too); returns
     the names it wrote, which it checksums for the manifest."""
     model_sd, optim_sd = get_state_dict(policy, optim.optimizer, options=_options(policy))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # .metadata written last
+    dcp.save(  # .metadata written last
+        {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=_alone(world)
+    )
     written = [f"rng/rank{world.rank}.pt", *(p.name for p in tmp.glob(f"__{world.rank}_*.distcp"))]
     torch.save(_rng_state(world), tmp / written[0])
     if world.is_main:
@@ -212,6 +214,14 @@ def _write_files(
             (tmp / CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
             written.append(CONFIG)
     return written
+
+
+def _alone(world: World) -> bool:
+    """DCP's `no_dist` for a world of one: its plans and metadata are then not gathered through gloo. Gloo
+    copies such a payload (here ~100 kB) on its own thread, which then keeps an OpenMP team of its own for the
+    rest of the run; a 1-rank run of several threads slows down after its first save
+    (`collectives.all_gather_objects` says how)."""
+    return world.world_size == 1
 
 
 def _prune(root: Path, keep: Path, save_limit: int) -> None:
@@ -249,7 +259,7 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
     to_load = {"model": model_sd, "optim": optim_sd}
     _check_keys(path, to_load)
     try:
-        dcp.load(to_load, checkpoint_id=str(path))
+        dcp.load(to_load, checkpoint_id=str(path), no_dist=_alone(world))
     except BaseException as e:  # DCP's CheckpointException is a BaseException; it names no file
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise

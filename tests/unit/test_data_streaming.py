@@ -165,6 +165,22 @@ def test_all_gather_must_cover_the_world(tmp_path, processor):
         load_dataset(_cfg(path), processor, rank=1, world_size=2)
 
 
+def test_a_world_of_one_gathers_without_a_collective():
+    """The trainer's all-gather in a gloo world of one hands back the object itself: the collective (a pickled
+    copy, unpickled) would leave an OpenMP team on gloo's thread that slows every op of the run."""
+    import torch.distributed as dist
+
+    from spmd_grpo.parallel.collectives import all_gather_objects
+
+    shard_check = ("ok", [("rows", 400)], bytes(400_000))  # the size of the start-up check's payload
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parts = all_gather_objects(shard_check)
+    finally:
+        dist.destroy_process_group()
+    assert len(parts) == 1 and parts[0] is shard_check
+
+
 # ------------------------------------------------------------------------------------------ images on demand
 def _eager(image: bytes, low: int, high: int) -> Image.Image:
     """The eager decode the loader used to keep: RGB, smart_resize into [low, high], bicubic."""
