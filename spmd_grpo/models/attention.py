@@ -165,6 +165,17 @@ def _cpu_sdpa(module: torch.nn.Module, query, key, value, mask, **kwargs) -> tor
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0].to(dtype)
 
 
+def is_packed_row(query: torch.Tensor, attention_mask, position_ids, kwargs: dict) -> bool:
+    """A forward the packed attention paths take: one causal row with no mask, its sequences told apart by
+    `position_ids` alone. Anything else goes to transformers' sdpa unchanged."""
+    return (
+        attention_mask is None
+        and position_ids is not None
+        and query.shape[0] == 1
+        and bool(kwargs.get("is_causal", True))
+    )
+
+
 def varlen_sdpa_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -178,12 +189,7 @@ def varlen_sdpa_forward(
     [B, T, heads, head_dim]. One row with no mask and positions that restart: one causal sdpa per sequence
     length, over the sequences of that length; with shared prompts, one masked sdpa per (prompt length,
     longest response of the group) over those responses (`AttentionPlan`)."""
-    if (
-        attention_mask is not None
-        or position_ids is None
-        or query.shape[0] != 1
-        or not kwargs.get("is_causal", True)
-    ):
+    if not is_packed_row(query, attention_mask, position_ids, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     plan = _cached_plan(position_ids.reshape(-1))
     if plan.single_sequence:

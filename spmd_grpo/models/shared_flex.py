@@ -45,7 +45,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from spmd_grpo.models.attention import VARLEN_SDPA, LastRow, row_roots, varlen_sdpa_mask
+from spmd_grpo.models.attention import VARLEN_SDPA, LastRow, is_packed_row, row_roots, varlen_sdpa_mask
 
 FLEX_SHARED = "flex_shared"
 
@@ -120,12 +120,7 @@ def flex_shared_forward(
     """transformers' attention-function signature (query [1, H, T, D], key/value [1, Hkv, T, D]); returns
     [1, T, H, D]. One packed row with no mask: flex attention over the row's block mask; anything else:
     transformers' sdpa."""
-    if (
-        attention_mask is not None
-        or position_ids is None
-        or query.shape[0] != 1
-        or not kwargs.get("is_causal", True)
-    ):
+    if not is_packed_row(query, attention_mask, position_ids, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if kwargs.get("dropout", 0.0):
         raise NotImplementedError("attention dropout with shared-prompt flex attention")
