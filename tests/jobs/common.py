@@ -30,6 +30,19 @@ def run_job(main: Callable[[], None]) -> None:
         os._exit(0)
 
 
+def split_at(argv: list[str], flag: str) -> list[list[str]]:
+    """The arguments after each `flag`, up to the next one: the cases of a job that runs several in one
+    launch. `argv` starts with `flag`."""
+    assert argv[:1] == [flag], f"the arguments must start with {flag}, got {argv[:1]}"
+    out: list[list[str]] = []
+    for arg in argv:
+        if arg == flag:
+            out.append([])
+        else:
+            out[-1].append(arg)
+    return out
+
+
 def new_process_group(prefix: str) -> None:
     """Make the default gloo process group again, from torchrun's environment, after vLLM's teardown destroyed
     it (a job that builds several engines in turn). Its rendezvous keys go under `prefix` in torchrun's store:

@@ -53,7 +53,7 @@ from spmd_grpo.rollout.generate import (
     generate_for_group,
 )
 from spmd_grpo.rollout.weight_sync import is_row_sharded
-from tests.jobs.common import VIDEO_DATA, chat_text, make_video, new_process_group, run_job
+from tests.jobs.common import VIDEO_DATA, chat_text, make_video, new_process_group, run_job, split_at
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
 CASE_MARK = "engine_parity: case"
@@ -114,13 +114,7 @@ def parse_cases(argv: list[str]) -> list[argparse.Namespace]:
     """One case per `--case` (its arguments up to the next `--case`); without it, `argv` is one case."""
     if "--case" not in argv:
         return [case_parser().parse_args(argv)]
-    chunks: list[list[str]] = []
-    for arg in argv:
-        if arg == "--case":
-            chunks.append([])
-        else:
-            chunks[-1].append(arg)
-    cases = [case_parser().parse_args(chunk) for chunk in chunks]
+    cases = [case_parser().parse_args(chunk) for chunk in split_at(argv, "--case")]
     assert len({c.device for c in cases}) == 1, "one launch runs cases of one device"
     return cases
 

@@ -20,7 +20,7 @@ import os
 import sys
 
 from spmd_grpo.train import main as train
-from tests.jobs.common import new_process_group
+from tests.jobs.common import new_process_group, split_at
 
 RUN_MARK = "train_in_turn: run"
 
@@ -30,13 +30,7 @@ def runs(argv: list[str]) -> list[list[str]]:
     assert argv and argv[0] == "--train", (
         "usage: train_in_turn.py --train CONFIG [key=value ...] [--train ...]"
     )
-    out: list[list[str]] = []
-    for arg in argv:
-        if arg == "--train":
-            out.append([])
-        else:
-            out[-1].append(arg)
-    return out
+    return split_at(argv, "--train")
 
 
 def main() -> None:
