@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import last_wins, load_config
+from spmd_grpo.parallel.collectives import free_port
 from spmd_grpo.run.checkpoint_dirs import find_checkpoint
 from spmd_grpo.telemetry.report import write_report
 from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
     """The job on `nproc` local ranks (`spmd_grpo.launch`, a free port for the rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    launch = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     return [sys.executable, "-m", "spmd_grpo.launch", *launch, "-m", "spmd_grpo.train", config, *overrides]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd_grpo.parallel.collectives import World
+from spmd_grpo.parallel.collectives import World, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("SPMD_GRPO_CACHE", REPO / ".cache"))
@@ -99,12 +98,6 @@ def processor():
     import transformers
 
     return transformers.AutoProcessor.from_pretrained(tiny_model())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(

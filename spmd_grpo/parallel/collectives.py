@@ -87,7 +87,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> World:
     if "RANK" not in os.environ:  # plain `python -m spmd_grpo.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     mod = device_module(device_type)
@@ -104,7 +104,8 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> World:
     return World(rank, world_size, local_rank, device_type, backend)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a local rendezvous)."""
     import socket
 
     with socket.socket() as s:

@@ -430,12 +430,11 @@ def test_every_number_key_has_a_range(files):
 def test_an_unreachable_hub_fails_in_seconds_naming_the_key(cli, files, monkeypatch):
     """A hub id that is not cached, with the hub unreachable (here: a closed local port as HF_ENDPOINT),
     stops at the config checks instead of huggingface_hub retrying for minutes; the same id cached passes."""
-    import socket
     import time
 
-    with socket.socket() as s:  # a port nobody listens on: the connection is refused at once
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from spmd_grpo.parallel.collectives import free_port
+
+    port = free_port()  # a port nobody listens on: the connection is refused at once
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("HF_HOME", str(files / "hf_home"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
