@@ -295,7 +295,7 @@ def build_sharded(
     model.shared_prompt = shared_prompt_setup(cfg.shared_prompt, packed, world.device_type)
     if model.shared_prompt:  # flash attention's varlen kernel cannot give a response its prompt
         hf.set_attn_implementation(shared_prompt_attention(world.device_type))
-    model.train(training)
+    model.train(training)  # before sharding: the EP build logs from the policy only
     if not training:
         model.requires_grad_(False)
     shard_model(model, cfg.fsdp, world)
@@ -304,7 +304,7 @@ def build_sharded(
     fill_from_checkpoint(model, path, world, offload=cfg.fsdp.offload_params)
     if lora:
         init_adapters(model, seed)
-    return model.train(training)
+    return model
 
 
 def build_policy(cfg: ActorConfig, world: World, *, seed: int = 0) -> PolicyModule:
