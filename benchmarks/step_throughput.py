@@ -150,10 +150,10 @@ def dtype_overrides(dtype: str) -> list[str]:
 
 def known_keys() -> set[str]:
     """Every dotted key of the config (to skip features that do not exist yet)."""
-    from spmd_grpo.config.loader import _all_keys
+    from spmd_grpo.config.loader import all_keys
     from spmd_grpo.config.schema import Config
 
-    return set(_all_keys(Config))
+    return set(all_keys(Config))
 
 
 def overrides(name: str, keys: set[str]) -> tuple[list[str], list[str]]:
