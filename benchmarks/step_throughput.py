@@ -85,12 +85,14 @@ FEATURES: dict[str, list[str]] = {
     "old_logprobs_from_update": ["worker.actor.old_logprobs_from_update=true"],
     "padding_free": ["worker.actor.padding_free=auto"],  # packs only where a varlen kernel exists
     "image_feature_reuse": ["worker.actor.reuse_image_features=true"],
+    "shared_prompt": ["worker.actor.shared_prompt=auto"],  # with padding_free: each group's prompt once
 }
 OFF: dict[str, list[str]] = {
     "dynamic_batching": ["worker.actor.dynamic_batching=false"],
     "old_logprobs_from_update": ["worker.actor.old_logprobs_from_update=false"],
     "padding_free": ["worker.actor.padding_free=false"],
     "image_feature_reuse": ["worker.actor.reuse_image_features=false"],
+    "shared_prompt": ["worker.actor.shared_prompt=false"],
 }
 DAPO = [
     "algorithm.filter_groups.enable=true",
