@@ -13,8 +13,9 @@ head_dim is 32 or 64, and mrope_section must sum to the rotating dims / 2 (head_
 quarter). MoE families: every layer sparse, `num_experts` (8) experts, top `num_experts_per_tok` (2),
 renormalised; the expert width (96) makes no expert tensor square, and the file
 holds the published expert layout (`save_model`). Qwen3.5 families: linear-attention and full-attention
-layers alternate, and the Gated DeltaNet key/value head dim is 128, the only one vLLM's CPU kernel takes
-(which also runs only in bf16: serve these with `dtype=bfloat16`).
+layers alternate, the Gated DeltaNet key/value head dim is 128, the only one vLLM's CPU kernel takes
+(which also runs only in bf16: serve these with `dtype=bfloat16`), and its heads keep their state for a few
+tokens (`_moderate_decays`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     model = family.model_cls()(config).to(torch.float32)
     if spec.head_logit_std is not None:
         _draw_head(model, spec)
+    _moderate_decays(model)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     save_model(model, out)
@@ -193,6 +195,19 @@ def _draw_head(model, spec: TinyModelSpec) -> None:
     weight = model.get_output_embeddings().weight
     with torch.no_grad():
         weight.copy_(torch.randn(weight.shape, generator=generator) * std)
+
+
+def _moderate_decays(model) -> None:
+    """Give each Gated DeltaNet head a decay that keeps its state for a few tokens (exp(g) from ~0.94 to ~0.52
+    per token at init). Per token g = -exp(A_log) * softplus(a + dt_bias); HF draws exp(A_log) from
+    uniform(0, 16), which for the tiny model's 2 heads gave 8.7 and 11.5: g of -11 to -15, a state forgotten
+    at every token, so no test could see whether the state is carried (from a prompt into its responses, from
+    vLLM's prefill into its decode). Here exp(A_log) runs from 0.05 to 0.5 over the heads."""
+    for module in model.modules():
+        if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+            rates = torch.linspace(0.05, 0.5, module.A_log.numel())
+            with torch.no_grad():
+                module.A_log.copy_(rates.log().reshape(module.A_log.shape))
 
 
 def _mrope_section(rotary_dim: int) -> list[int]:

@@ -8,11 +8,11 @@ vLLM start once.
 
 Measured (these overrides, 2 ranks in the shared launch, an idle 2-core AMD EPYC with avx512_bf16,
 2026-11-26), last-10 minus first-5 mean of `critic/score/mean`: Qwen2-VL +0.078, Qwen3-VL +0.084, Qwen3.5
-+0.055 at seed 1 (the test's), +0.071 and +0.091 at seeds 2 and 3, and -0.003 for Qwen3.5 with lr 1e-12 (no
++0.059 at seed 1 (the test's), +0.070 and +0.091 at seeds 2 and 3, and -0.002 for Qwen3.5 with lr 1e-12 (no
 learning). A step's mean varies by about 0.012 from step to step at the random policy (~0.03-0.04), so the
 difference of the two means has a standard error of about 0.007: RISE = 0.03 is 4 of them above a run that
-does not learn, and below every measured rise (0.05 left Qwen3.5 at seed 1 a margin of 0.005, less than the
-spread between seeds, i.e. between machines whose numerics differ).
+does not learn, and below every measured rise (0.05 left Qwen3.5 at seed 1 a margin under 0.01, less than
+the spread between seeds, i.e. between machines whose numerics differ).
 """
 
 import json
