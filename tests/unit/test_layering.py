@@ -202,9 +202,13 @@ def test_names_are_imported_from_the_module_that_defines_them(folder):
 
 def _top_level_names(module: Path) -> set[str]:
     """The names a module defines or imports at its top level (what `from module import name` can find)."""
-    names = set()
-    for node in ast.parse(module.read_text()).body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+    names, body = set(), list(ast.parse(module.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If | ast.Try | ast.With):  # `if TYPE_CHECKING:`, `try: import ...`
+            body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
+            body += [s for h in getattr(node, "handlers", []) for s in h.body]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
         elif isinstance(node, ast.Import | ast.ImportFrom):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
