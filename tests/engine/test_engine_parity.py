@@ -27,7 +27,10 @@ from tests.conftest import own_output, tiny_model, torchrun
 from tests.jobs.common import VIDEO_DATA
 from tests.jobs.engine_parity import CASE_MARK
 
-TOL = 1e-3
+TOL = 1e-4
+"""fp32 bound on |vLLM - trainer| per response token. Measured here at most 9.5e-7 (every case, both ranks).
+With the job's textured images an ordering mistake in the vision input moves them by 2e-3 (all merge groups
+of an image reversed) to 3.5e-2 (the 4 patches inside each group reversed); solid colours hide both (0)."""
 
 
 CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qwen2.5-VL variant; the

@@ -7,7 +7,7 @@ With `--case`, one launch runs several cases in turn (each with its own options;
 transformers is paid once): after a case, vLLM's teardown destroys the process group, and the next case makes
 a new one under its own prefix in torchrun's store.
 
-Prompts alternate between 1 and 2 images; with `--videos` (worker.rollout.limit_videos=1) they cycle through
+Prompts alternate between 1 and 2 textured images (`textured_image`); with `--videos` (worker.rollout.limit_videos=1) they cycle through
 1-2 images, one video, and one image + one video (4-frame MPEG-4 videos decoded by the data layer's rules),
 and the trainer's forwards run the tower on video input (dummy where a batch has none). Writes one JSON per
 rank (OUT_JSON with `.rank{r}` before the
@@ -34,6 +34,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.distributed.tensor import DTensor
@@ -59,6 +60,17 @@ COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
 CASE_MARK = "engine_parity: case"
 
 
+def textured_image(seed: int, color: tuple[int, int, int]) -> Image.Image:
+    """`color` with per-pixel noise, 112 or 140 pixels wide and 168 high (multiples of 28: no resize): every
+    patch differs, so a patch or window order that differs between vLLM's tower and the trainer's changes the
+    logprobs (a solid colour makes every patch the same and hides it), and the image spans 2 or 4 of
+    Qwen2.5-VL's 112-pixel attention windows."""
+    rng = np.random.default_rng(seed)
+    size = (168, 112 + 28 * (seed % 2))  # (height, width): 12 x 8 or 12 x 10 patches of 14
+    pixels = np.asarray(color, dtype=np.float64) + rng.normal(0, 60, (*size, 3))
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
+
 def make_prompts(processor, rank: int, per_rank: int, video_rules=None) -> list[Prompt]:
     prompts = []
     for i in range(per_rank):
@@ -67,10 +79,7 @@ def make_prompts(processor, rank: int, per_rank: int, video_rules=None) -> list[
         # image + video, 2 images)
         kind = uid % 3 if video_rules is not None else 0
         num_images = (1 + i % 2) if kind == 0 else kind - 1
-        images = [
-            Image.new("RGB", (56 + 28 * ((uid + j) % 2), 56), COLORS[(uid + j) % len(COLORS)])
-            for j in range(num_images)
-        ]
+        images = [textured_image(uid * 2 + j, COLORS[(uid + j) % len(COLORS)]) for j in range(num_images)]
         videos = (
             [make_video([COLORS[(uid + k) % len(COLORS)] for k in range(4)], video_rules)] if kind else []
         )
