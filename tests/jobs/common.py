@@ -1,9 +1,11 @@
-"""What the torchrun test jobs share: the teardown every job needs, and the chat prompts they build."""
+"""What the torchrun test jobs share: the teardown every job needs, the chat prompts, and the images and
+videos they put in them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -73,17 +75,34 @@ def encode(processor, images: list[Image.Image], text: str) -> dict:
     return processor(text=[chat_text(processor, len(images), text)], images=images, return_tensors="pt")
 
 
+def textured_image(
+    seed: int, color: tuple[int, int, int], size: tuple[int, int] | None = None
+) -> Image.Image:
+    """`color` with per-pixel noise; by default 112 or 140 pixels wide and 168 high (multiples of 28: no
+    resize), else `size` (height, width). Every patch differs, so a patch or window order that differs between
+    vLLM's tower and the trainer's changes the logprobs (a solid colour makes every patch the same and hides
+    it); the default sizes span 2 or 4 of Qwen2.5-VL's 112-pixel attention windows."""
+    rng = np.random.default_rng(seed)
+    size = size or (168, 112 + 28 * (seed % 2))  # (height, width): 12 x 8 or 12 x 10 patches of 14
+    pixels = np.asarray(color, dtype=np.float64) + rng.normal(0, 60, (*size, 3))
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
+
 VIDEO_DATA = {"video_min_pixels": 3136, "video_max_pixels": 12544, "video_max_frames": 4}
 """`data.video_*` of the test jobs' videos: 4 frames of 56 x 84 pixels stay a few tokens per temporal patch
 (and vLLM profiles its start-up with a 4-frame video, not the largest 768-frame one)."""
 
 
-def make_video(colors: list[tuple[int, int, int]], rules):
-    """A 2-fps video of one solid colour per frame, through the data layer's encode and decode (`rules`:
-    `data.videos.VideoRules`)."""
+def make_video(colors: list[tuple[int, int, int]], rules, seed: int | None = None):
+    """A 2-fps video of one colour per frame, through the data layer's encode and decode (`rules`:
+    `data.videos.VideoRules`); 56 x 84 frames, solid, or with `seed` textured (`textured_image`)."""
     from spmd_grpo.data.videos import decode_video, encode_video
 
-    return decode_video(encode_video([Image.new("RGB", (56, 84), c) for c in colors]), None, rules)
+    frames = [
+        Image.new("RGB", (56, 84), c) if seed is None else textured_image(seed * 16 + k, c, (84, 56))
+        for k, c in enumerate(colors)
+    ]
+    return decode_video(encode_video(frames), None, rules)
 
 
 def video_setup(processor):

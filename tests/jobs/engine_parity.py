@@ -34,9 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 from torch.distributed.tensor import DTensor
 
 from spmd_grpo.actor.micro_batches import collate_samples
@@ -54,21 +52,18 @@ from spmd_grpo.rollout.generate import (
     generate_for_group,
 )
 from spmd_grpo.rollout.weight_sync import is_row_sharded
-from tests.jobs.common import VIDEO_DATA, chat_text, make_video, new_process_group, run_job, split_at
+from tests.jobs.common import (
+    VIDEO_DATA,
+    chat_text,
+    make_video,
+    new_process_group,
+    run_job,
+    split_at,
+    textured_image,
+)
 
 COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 30)]
 CASE_MARK = "engine_parity: case"
-
-
-def textured_image(seed: int, color: tuple[int, int, int]) -> Image.Image:
-    """`color` with per-pixel noise, 112 or 140 pixels wide and 168 high (multiples of 28: no resize): every
-    patch differs, so a patch or window order that differs between vLLM's tower and the trainer's changes the
-    logprobs (a solid colour makes every patch the same and hides it), and the image spans 2 or 4 of
-    Qwen2.5-VL's 112-pixel attention windows."""
-    rng = np.random.default_rng(seed)
-    size = (168, 112 + 28 * (seed % 2))  # (height, width): 12 x 8 or 12 x 10 patches of 14
-    pixels = np.asarray(color, dtype=np.float64) + rng.normal(0, 60, (*size, 3))
-    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
 
 
 def make_prompts(processor, rank: int, per_rank: int, video_rules=None) -> list[Prompt]:
@@ -81,7 +76,9 @@ def make_prompts(processor, rank: int, per_rank: int, video_rules=None) -> list[
         num_images = (1 + i % 2) if kind == 0 else kind - 1
         images = [textured_image(uid * 2 + j, COLORS[(uid + j) % len(COLORS)]) for j in range(num_images)]
         videos = (
-            [make_video([COLORS[(uid + k) % len(COLORS)] for k in range(4)], video_rules)] if kind else []
+            [make_video([COLORS[(uid + k) % len(COLORS)] for k in range(4)], video_rules, seed=uid)]
+            if kind
+            else []
         )
         text = chat_text(processor, len(images), f"Which color? {uid}", num_videos=len(videos))
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
