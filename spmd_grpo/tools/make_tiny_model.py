@@ -15,7 +15,7 @@ renormalised; the expert width (96) makes no expert tensor square, and the file
 holds the published expert layout (`save_model`). Qwen3.5 families: linear-attention and full-attention
 layers alternate, the Gated DeltaNet key/value head dim is 128, the only one vLLM's CPU kernel takes
 (which also runs only in bf16: serve these with `dtype=bfloat16`), and its heads keep their state for a few
-tokens (`_moderate_decays`).
+tokens (`moderate_decays`).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     model = family.model_cls()(config).to(torch.float32)
     if spec.head_logit_std is not None:
         _draw_head(model, spec)
-    _moderate_decays(model)
+    moderate_decays(model)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     save_model(model, out)
@@ -197,12 +197,14 @@ def _draw_head(model, spec: TinyModelSpec) -> None:
         weight.copy_(torch.randn(weight.shape, generator=generator) * std)
 
 
-def _moderate_decays(model) -> None:
-    """Give each Gated DeltaNet head a decay that keeps its state for a few tokens (exp(g) from ~0.94 to ~0.52
-    per token at init). Per token g = -exp(A_log) * softplus(a + dt_bias); HF draws exp(A_log) from
-    uniform(0, 16), which for the tiny model's 2 heads gave 8.7 and 11.5: g of -11 to -15, a state forgotten
-    at every token, so no test could see whether the state is carried (from a prompt into its responses, from
-    vLLM's prefill into its decode). Here exp(A_log) runs from 0.05 to 0.5 over the heads."""
+def moderate_decays(model) -> None:
+    """Give each Gated DeltaNet head of `model` a decay that keeps its state for a few tokens: exp(A_log) from
+    0.05 to 0.5 over the heads, so exp(g) runs from ~0.94 to ~0.52 per token at init (per token
+    g = -exp(A_log) * softplus(a + dt_bias)). HF draws exp(A_log) from uniform(0, 16); the tiny models' 2
+    heads got 8.7 and 11.5, g of -11 to -15: a state forgotten at every token, so no test could see whether it
+    is carried (from a prompt into its responses, from vLLM's prefill into its decode), and decay gradients of
+    ~3e-8 that transformers' chunked delta rule (its CPU path) gets 50 % wrong in fp64 against the
+    token-by-token rule. Used by the builder and by the tests' hand-configured tiny MoE models."""
     for module in model.modules():
         if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
             rates = torch.linspace(0.05, 0.5, module.A_log.numel())

@@ -155,6 +155,7 @@ def tiny_moe_model(family: str) -> torch.nn.Module:
     import transformers as tf
 
     from spmd_grpo.models.moe.install import moe_blocks
+    from spmd_grpo.tools.make_tiny_model import moderate_decays
 
     torch.manual_seed(0)
     if family == "qwen3_vl_moe":
@@ -178,6 +179,7 @@ def tiny_moe_model(family: str) -> torch.nn.Module:
         model = tf.Qwen3_5MoeForConditionalGeneration(config)
     for _, block in moe_blocks(model):  # HF initialises the router at zero: every token would tie
         torch.nn.init.normal_(block.gate.weight, std=0.5)
+    moderate_decays(model)  # Qwen3.5-MoE: a linear-attention state that lasts a few tokens
     return model.float()
 
 
