@@ -308,6 +308,11 @@ class RolloutEngine:
         lora = self.adapters.request if self.adapters is not None else None  # the current adapter's id
         return self.llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=lora)
 
+    def decode(self, token_ids: list[list[int]]) -> list[str]:
+        """Each response's text, special tokens dropped: the tokenizer's decode of the whole sequence (the
+        requests ask vLLM for no text; see `rollout.generate`)."""
+        return self.llm.get_tokenizer().batch_decode(token_ids, skip_special_tokens=True)
+
 
 def _sleep_mode(cfg: RolloutConfig, world: World) -> bool:
     return cfg.enable_sleep_mode and world.device_type != "cpu"  # vLLM has none on CPU
