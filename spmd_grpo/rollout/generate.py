@@ -22,8 +22,8 @@ prompt once and then adds n child requests (child i seeded seed + i) to the sche
 Text: the requests ask vLLM for token ids only (`detokenize=False`, as verl and TRL do); each response's text
 is then the tokenizer's decode of its whole sequence, special tokens dropped, in one batch. vLLM's
 incremental detokenizer runs on the critical path of an in-process engine (4 % of a CPU rollout of 64-token
-responses) and, on byte runs that are not valid UTF-8 (a random model's), gives other replacement characters
-than the decode of the whole sequence that the reward should read.
+responses). The texts differ only where a response ends inside a multi-byte character: vLLM leaves the
+incomplete bytes out, the decode writes U+FFFD for them.
 
 A `Sample` is the one record of everything known about a response as the step goes on: the rollout fills
 the tokens and vLLM's logprobs, the reward its `scores`, the trainer its `old_logprobs`, `ref_logprobs` and
