@@ -300,9 +300,8 @@ def ratio_samples(processor, prompts: int, n: int, length: int) -> list:
     for p in range(prompts):
         image = Image.new("RGB", (56, 56), ((60 * p) % 255, 120, 200))
         enc = processor(text=[text], images=[image], return_tensors="pt")
-        prompt = Prompt(
-            p, [], [image]
-        )  # one record for the group, as rollout makes it: shared prompts key on it
+        # one record for the group, as rollout makes it: shared prompts key on it
+        prompt = Prompt(p, [], [image])
         for i in range(n):
             response = torch.randint(0, 256, (length,), generator=gen).tolist()
             s = Sample(prompt, i, enc["input_ids"][0].tolist(), response, [0.0] * length)

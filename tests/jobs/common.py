@@ -78,13 +78,13 @@ def encode(processor, images: list[Image.Image], text: str) -> dict:
 def textured_image(
     seed: int, color: tuple[int, int, int], size: tuple[int, int] | None = None
 ) -> Image.Image:
-    """`color` with per-pixel noise; by default 112 or 140 pixels wide and 168 high (multiples of 28: no
-    resize), else `size` (height, width). Every patch differs, so a patch or window order that differs between
-    vLLM's tower and the trainer's changes the logprobs (a solid colour makes every patch the same and hides
-    it); the default sizes span 2 or 4 of Qwen2.5-VL's 112-pixel attention windows."""
+    """`color` with per-pixel noise, `size` (width, height) as PIL takes it; by default 112 or 140 pixels wide
+    and 168 high (multiples of 28: no resize). Every patch differs, so a patch or window order that differs
+    between vLLM's tower and the trainer's changes the logprobs (a solid colour makes every patch the same and
+    hides it); the default sizes span 2 or 4 of Qwen2.5-VL's 112-pixel attention windows."""
     rng = np.random.default_rng(seed)
-    size = size or (168, 112 + 28 * (seed % 2))  # (height, width): 12 x 8 or 12 x 10 patches of 14
-    pixels = np.asarray(color, dtype=np.float64) + rng.normal(0, 60, (*size, 3))
+    width, height = size or (112 + 28 * (seed % 2), 168)  # 8 or 10 x 12 patches of 14
+    pixels = np.asarray(color, dtype=np.float64) + rng.normal(0, 60, (height, width, 3))
     return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
 
 
@@ -99,7 +99,7 @@ def make_video(colors: list[tuple[int, int, int]], rules, seed: int | None = Non
     from spmd_grpo.data.videos import decode_video, encode_video
 
     frames = [
-        Image.new("RGB", (56, 84), c) if seed is None else textured_image(seed * 16 + k, c, (84, 56))
+        Image.new("RGB", (56, 84), c) if seed is None else textured_image(seed * 16 + k, c, (56, 84))
         for k, c in enumerate(colors)
     ]
     return decode_video(encode_video(frames), None, rules)

@@ -7,9 +7,10 @@ With `--case`, one launch runs several cases in turn (each with its own options;
 transformers is paid once): after a case, vLLM's teardown destroys the process group, and the next case makes
 a new one under its own prefix in torchrun's store.
 
-Prompts alternate between 1 and 2 textured images (`textured_image`); with `--videos` (worker.rollout.limit_videos=1) they cycle through
-1-2 images, one video, and one image + one video (4-frame MPEG-4 videos decoded by the data layer's rules),
-and the trainer's forwards run the tower on video input (dummy where a batch has none). Writes one JSON per
+Prompts alternate between 1 and 2 textured images (`textured_image`); with `--videos`
+(worker.rollout.limit_videos=1) they cycle through 1-2 images, one video, and one image + one video (4-frame
+MPEG-4 videos of textured frames, decoded by the data layer's rules), and the trainer's forwards run the tower
+on video input (dummy where a batch has none). Writes one JSON per
 rank (OUT_JSON with `.rank{r}` before the
 suffix) holding:
   dummy_diff_max     the same before the first push (vLLM starts with dummy weights: large)
