@@ -40,14 +40,17 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     args = ap.parse_args()
+    nbytes = int(args.gib * (1 << 30))
+    if nbytes <= 0:
+        ap.error(f"--gib must be > 0, got {args.gib}")
     block = os.urandom(64 << 20)
     for name, fn in [("crc32", zlib.crc32), ("blake2b", lambda b: hashlib.blake2b(b).digest())]:
         start = time.perf_counter()
         fn(block)
         _rate(f"{name}, in memory", len(block), time.perf_counter() - start)
     with tempfile.NamedTemporaryFile(dir=args.dir) as f:
-        for _ in range(int(args.gib * 16)):
-            f.write(block)
+        for offset in range(0, nbytes, len(block)):  # exactly --gib GiB: whole blocks, then the rest
+            f.write(block[: nbytes - offset])
         f.flush()
         os.fsync(f.fileno())
         size = os.path.getsize(f.name)
