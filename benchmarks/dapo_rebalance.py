@@ -1,9 +1,9 @@
 """DAPO rebalancing: the pickled-object exchange it replaced against the raw-byte tensor exchange, in one run.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 8 benchmarks/dapo_rebalance.py [--prompts-per-rank 8] [--n 8]
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 8 benchmarks/dapo_rebalance.py [--prompts-per-rank 8] [--group-size 8]
 
 Every rank holds what one rank of a 64-rank geometry3k job holds after DAPO's filtering: `--gen-batches`
-generation batches of `--prompts-per-rank` prompts x `--n` samples, each group kept with probability
+generation batches of `--prompts-per-rank` prompts x `--group-size` samples, each group kept with probability
 `--keep` (the same draw on every rank), one `--image`-pixel square RGB image per prompt (geometry3k's ~500 x
 500, as smart_resize leaves it for min_pixels 512 x 512: 532 x 532, 1444 patches, 361 image tokens),
 responses of 1 to `--max-response` tokens, random token ids and float64 logprobs (`dapo_samples.py`
@@ -95,7 +95,9 @@ def timed(fn, reps: int, device) -> tuple[float, float, object]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prompts-per-rank", type=int, default=8)
-    p.add_argument("--n", type=int, default=8)
+    # Not `--n`: torchrun's parser reads an abbreviation of its own options after the script name too, and
+    # `--n` stopped the command with "ambiguous option: --n could match --nnodes, --nproc-per-node, ...".
+    p.add_argument("--group-size", dest="n", type=int, default=8, help="samples per prompt")
     p.add_argument("--gen-batches", type=int, default=2)
     p.add_argument("--keep", type=float, default=0.6)
     p.add_argument("--image", type=int, default=532)
