@@ -83,7 +83,7 @@ OURS_PHASES = ["gen", "update_weights", "reward", "adv", "old_log_prob", "update
 def run_ours(args: argparse.Namespace, model_dir: Path, dtype: str, ranks: int, work: Path) -> dict:
     name = f"ours_{dtype}_{ranks}"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+        sys.executable, "-m", "spmd_grpo.launch", "--standalone", "--nproc_per_node", str(ranks),
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"), f"trainer.max_steps={args.steps}",
         f"trainer.output_dir={work}", f"trainer.experiment_name={name}", *workload(args, model_dir, dtype),
         *args.set,

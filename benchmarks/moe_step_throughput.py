@@ -84,9 +84,25 @@ def overrides(
 
 
 def command(nproc: int, run_overrides: list[str]) -> list[str]:
-    """torchrun on one node: `nproc` ranks of `spmd_grpo.train` on the shipped config."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+    """torchrun on one node (`spmd_grpo.launch`: torchrun that checks the config once before any rank starts,
+    so a config error is its one line, not the tail of torchrun's failure report): `nproc` ranks of
+    `spmd_grpo.train` on the shipped config."""
+    return [sys.executable, "-m", "spmd_grpo.launch", "--standalone", "--nproc_per_node", str(nproc),
             "-m", "spmd_grpo.train", str(CONFIG), *run_overrides]  # fmt: skip
+
+
+def check_devices(nproc: int) -> None:
+    """The 30B run needs an accelerator per rank: stop before torchrun where there are too few (on a CPU
+    machine the shipped config would start `nproc` ranks of the 30B model on the host)."""
+    from spmd_grpo.parallel.devices import device_module, resolve_device_type
+
+    device_type = resolve_device_type("auto")
+    found = device_module(device_type).device_count() if device_type != "cpu" else 0
+    if found < nproc:
+        raise SystemExit(
+            f"moe_step_throughput: {nproc} ranks need {nproc} GPUs or NPUs, found {found} (device type "
+            f"{device_type}); on a CPU machine run --tiny"
+        )
 
 
 def summarise(rows: list[dict]) -> dict[str, float]:
@@ -114,6 +130,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     nproc = args.nproc or (2 if args.tiny else 8)
+    if not args.tiny:
+        check_devices(nproc)
     with tempfile.TemporaryDirectory(prefix="moe_tput_") as work:
         model = str(tiny_moe_model()) if args.tiny else None
         run = overrides(

@@ -187,7 +187,7 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
         f"worker.actor.global_batch_size={args.prompts * 8}",
     ]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+        sys.executable, "-m", "spmd_grpo.launch", "--standalone", "--nproc_per_node", str(ranks),
         "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"),
         *last_wins([  # --set wins over the configuration's own values
             f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
