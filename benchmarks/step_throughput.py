@@ -40,7 +40,7 @@ the separate pass runs, else `ref`, the same forward on the same samples in the 
 first step (same seeds, same samples: equal up to rounding) and kl_loss of the second (the first is 0: the
 reference is the initial policy) show that the features leave the losses unchanged.
 
-`--update-ratio` times, in this process (world of one, gloo, 2 threads), the trainer's old-logprob pass
+`--update-ratio` times, in this process (gloo, `--threads` threads), the trainer's old-logprob pass
 (image encoding + forward-only logprobs) and `update_policy` on a fixed workload: `--ratio-prompts` colour
 prompts x 8 samples of exactly 64 random response tokens, one mini-batch, the separate old-logprob pass;
 it prints update / forward-only; `--profile N` prints the top N ops by self CPU time of one more of each.
@@ -333,8 +333,9 @@ def _profile(fn, label: str, rows: int) -> None:
 
 
 def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
-    """Time the old-logprob forward and the update on the fixed workload, in this process (world of one,
-    gloo, `torch.set_num_threads(2)`); `args.rounds` rounds, the first one a warm-up. Returns the medians."""
+    """Time the old-logprob forward and the update on the fixed workload, in this process (gloo,
+    `torch.set_num_threads(args.threads)`); `args.rounds` rounds, the first one a warm-up. Returns the medians
+    and the world size (under torchrun each rank runs the whole workload)."""
     import time
 
     import torch
@@ -384,12 +385,19 @@ def update_ratio(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
         "old_log_prob_cpu": later(fwd_cpu),
         "update_actor_cpu": later(upd_cpu),
         "params_m": n_params / 1e6,
+        "ranks": world.world_size,
     }
+
+
+def later_rounds(count: int) -> str:
+    """What the printed medians are taken over: the rounds after the first, or the only one."""
+    return f"median of rounds 2..{count}" if count > 1 else "1 round, the warm-up (no later round)"
 
 
 def print_ratio(r: dict[str, float], args: argparse.Namespace) -> None:
     print(f"update-ratio workload: {r['params_m']:.1f}M parameters, {args.ratio_prompts} prompts x 8 samples x "
-          f"64 response tokens, {args.dtype}, 1 rank, 2 threads; median of rounds 2..{args.rounds}")  # fmt: skip
+          f"64 response tokens, {args.dtype}, {r['ranks']} rank(s) x {args.threads} threads; "
+          f"{later_rounds(args.rounds)}")  # fmt: skip
     print("| | old_log_prob (s) | update_actor (s) | update / fwd |")
     print("| --- | --- | --- | --- |")
     for label, suffix in [("wall", ""), ("process CPU", "_cpu")]:
