@@ -162,8 +162,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from spmd_grpo.config.checks import ConfigError
+    from spmd_grpo.config.loader import load_config
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
+    if not args.child:  # an argument the config refuses stops here in one line, not in a child's traceback
+        for dtype in args.dtypes.split(","):
+            try:
+                load_config(REPO / "configs" / "smoke.yaml", overrides(args, Path("unbuilt"), dtype, "true"))
+            except ConfigError as e:
+                ap.error(
+                    f"the config these arguments give: {e} (--image-side S sets data.max_pixels to S * S)"
+                )
     model_dir = cached_tiny_model(REPO / ".cache" / "bench_tput_model", TinyModelSpec(**MODEL_SPEC))
     if args.child:
         args.out.write_text(json.dumps(child(args, model_dir)))
