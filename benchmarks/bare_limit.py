@@ -76,6 +76,11 @@ def later_median(xs: list[float]) -> float:
     return statistics.median(xs[1:] or xs)
 
 
+def later_steps(steps: int) -> str:
+    """What `later_median` takes the figures over, for the report's header."""
+    return f"medians of steps/rounds 2..{steps}" if steps > 1 else "1 step/round, the warm-up (no later one)"
+
+
 # ------------------------------------------------------------------------------------------------ ours
 OURS_PHASES = ["gen", "update_weights", "reward", "adv", "old_log_prob", "update_actor", "step"]
 
@@ -249,7 +254,7 @@ def cpu_flags() -> str:
 
 def print_report(results: dict, args: argparse.Namespace) -> None:
     print(f"workload: {args.prompts} prompts x 8 samples x {args.response_length} tokens, no KL, "
-          f"{args.threads} cores; CPU flags: {cpu_flags()}; medians of steps/rounds 2..{args.steps}")  # fmt: skip
+          f"{args.threads} cores; CPU flags: {cpu_flags()}; {later_steps(args.steps)}")  # fmt: skip
     print("| dtype | ranks | gen ours / bare (s) | sync (s) | adv wait (s) | update ours / bare (s) | "
           "step ours / bare (s) | gen x | update x | total x |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
