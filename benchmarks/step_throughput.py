@@ -94,6 +94,7 @@ OFF: dict[str, list[str]] = {
     "image_feature_reuse": ["worker.actor.reuse_image_features=false"],
     "shared_prompt": ["worker.actor.shared_prompt=false"],
 }
+CONFIGS = ("off", "on", "off-dapo", "on-dapo")
 DAPO = [
     "algorithm.filter_groups.enable=true",
     "algorithm.filter_groups.metric=overall",
@@ -172,11 +173,13 @@ def overrides(name: str, keys: set[str]) -> tuple[list[str], list[str]]:
     return out, used
 
 
-def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> list[dict]:
+def run_config(
+    name: str, model_dir: Path, args: argparse.Namespace, work: Path
+) -> tuple[int, list[str], list[str]]:
+    """(ranks, config overrides, features on) of configuration `name`."""
     from spmd_grpo.config.loader import last_wins
 
-    keys = known_keys()
-    feature_overrides, used = overrides(name, keys)
+    feature_overrides, used = overrides(name, known_keys())
     seq = 128 + args.max_response_length  # the smoke config's max_prompt_length + the response
     budgets = dict(update_budget=4 * seq, experience_budget=16 * seq)
     feature_overrides = [item.format(**budgets) for item in feature_overrides]
@@ -186,15 +189,34 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
         f"data.rollout_batch_size={args.prompts}",
         f"worker.actor.global_batch_size={args.prompts * 8}",
     ]
-    cmd = [
-        sys.executable, "-m", "spmd_grpo.launch", "--standalone", "--nproc_per_node", str(ranks),
-        "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"),
-        *last_wins([  # --set wins over the configuration's own values
-            f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
-            f"trainer.output_dir={work}", f"trainer.experiment_name=bench_{name}",
-            *BASE, *dtype_overrides(args.dtype), *workload, *feature_overrides, *args.set,
-        ]),
-    ]  # fmt: skip
+    return ranks, last_wins([  # --set wins over the configuration's own values
+        f"worker.actor.model.model_path={model_dir}", f"trainer.max_steps={args.steps}",
+        f"trainer.output_dir={work}", f"trainer.experiment_name=bench_{name}",
+        *BASE, *dtype_overrides(args.dtype), *workload, *feature_overrides, *args.set,
+    ]), used  # fmt: skip
+
+
+def check_configs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every configuration's config for its rank count, before the first run starts: a later one that the
+    arguments make invalid (e.g. an odd --prompts for the 2-rank DAPO runs) stops here in one line."""
+    from spmd_grpo.config.checks import ConfigError
+    from spmd_grpo.config.loader import load_config
+    from spmd_grpo.config.validate import validate
+
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            ap.error(f"--configs: unknown configuration {name!r}; expected some of {', '.join(CONFIGS)}")
+        ranks, run_overrides, _ = run_config(name, Path("unbuilt"), args, Path("unused"))
+        try:
+            validate(load_config(REPO / "configs" / "smoke.yaml", run_overrides), ranks)
+        except (ConfigError, ValueError) as e:
+            ap.error(f"configuration {name} ({ranks} rank(s)): {e}")
+
+
+def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> list[dict]:
+    ranks, run_overrides, used = run_config(name, model_dir, args, work)
+    cmd = [sys.executable, "-m", "spmd_grpo.launch", "--standalone", "--nproc_per_node", str(ranks),
+           "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"), *run_overrides]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(2 // ranks), "PYTHONPATH": str(REPO)}
     print(f"[benchmark] {name}: {ranks} rank(s), features on {used or '-'}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -432,6 +454,8 @@ def main() -> None:
     args = ap.parse_args()
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
+    if not args.update_ratio:
+        check_configs(ap, args)
     model_dir = args.model_dir or cached_tiny_model(
         REPO / ".cache" / "bench_tput_model", TinyModelSpec(**MODEL_SPEC)
     )
