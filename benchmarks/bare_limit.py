@@ -279,6 +279,24 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
 
 
+def check_configs(ap: argparse.ArgumentParser, args: argparse.Namespace, model_dir: Path) -> None:
+    """Our config at every dtype and rank count, before the bare runs: arguments that one of our runs
+    refuses (e.g. an odd --prompts with --ranks 2) stop here in one line, not after minutes of bare runs."""
+    from spmd_grpo.config.checks import ConfigError
+    from spmd_grpo.config.loader import load_config
+    from spmd_grpo.config.validate import validate
+
+    for dtype in args.dtypes.split(","):
+        for ranks in map(int, args.ranks.split(",")):
+            try:
+                cfg = load_config(
+                    REPO / "configs" / "smoke.yaml", [*workload(args, model_dir, dtype), *args.set]
+                )
+                validate(cfg, ranks)
+            except (ConfigError, ValueError) as e:
+                ap.error(f"{dtype} at {ranks} rank(s): {e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -303,6 +321,7 @@ def main() -> None:
         phase, dtype = args.bare_worker.split(":")
         args.out.write_text(json.dumps(bare_worker(args, model_dir, phase, dtype)))
         return
+    check_configs(ap, args, model_dir)
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
