@@ -297,7 +297,7 @@ def check_configs(ap: argparse.ArgumentParser, args: argparse.Namespace, model_d
                 ap.error(f"{dtype} at {ranks} rank(s): {e}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ranks", default="1,2")
@@ -311,9 +311,16 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--bare-worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
+    if not args.bare_worker:
+        check_configs(ap, args, args.model_dir or Path("unbuilt"))
     model_dir = args.model_dir or cached_tiny_model(
         REPO / ".cache" / "bench_tput_model", TinyModelSpec(**MODEL_SPEC)
     )
@@ -321,7 +328,6 @@ def main() -> None:
         phase, dtype = args.bare_worker.split(":")
         args.out.write_text(json.dumps(bare_worker(args, model_dir, phase, dtype)))
         return
-    check_configs(ap, args, model_dir)
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

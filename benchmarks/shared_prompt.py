@@ -150,7 +150,22 @@ def run_child(args: argparse.Namespace, model_dir: Path, dtype: str, shared: str
     return json.loads(out.read_text())
 
 
-def main() -> None:
+def check_configs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The config of every setting as the children load it (they call no trainer, so not `validate`), before
+    anything is built: an argument the config refuses stops here in one line, not in a child's traceback."""
+    from spmd_grpo.config.checks import ConfigError
+    from spmd_grpo.config.loader import load_config
+
+    for dtype in args.dtypes.split(","):
+        for shared in ("false", "true"):
+            try:
+                load_config(REPO / "configs" / "smoke.yaml", overrides(args, Path("unbuilt"), dtype, shared))
+            except (ConfigError, ValueError) as e:
+                hint = " (--image-side S sets data.max_pixels to S * S)" if "pixels" in str(e) else ""
+                ap.error(f"the config these arguments give: {e}{hint}")
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompts", type=int, default=2)
@@ -161,19 +176,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
-    from spmd_grpo.config.checks import ConfigError
-    from spmd_grpo.config.loader import load_config
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
-    if not args.child:  # an argument the config refuses stops here in one line, not in a child's traceback
-        for dtype in args.dtypes.split(","):
-            try:
-                load_config(REPO / "configs" / "smoke.yaml", overrides(args, Path("unbuilt"), dtype, "true"))
-            except ConfigError as e:
-                ap.error(
-                    f"the config these arguments give: {e} (--image-side S sets data.max_pixels to S * S)"
-                )
+    if not args.child:
+        check_configs(ap, args)
     model_dir = cached_tiny_model(REPO / ".cache" / "bench_tput_model", TinyModelSpec(**MODEL_SPEC))
     if args.child:
         args.out.write_text(json.dumps(child(args, model_dir)))

@@ -428,7 +428,7 @@ def print_ratio(r: dict[str, float], args: argparse.Namespace) -> None:
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (8 samples each)")
@@ -451,6 +451,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="--update-ratio: rounds (the first is a warm-up)")
     ap.add_argument("--threads", type=int, default=2, help="--update-ratio: torch threads")
     ap.add_argument("--profile", type=int, default=0, help="--update-ratio: print the top N ops by self CPU")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     from spmd_grpo.tools.make_tiny_model import TinyModelSpec, cached_tiny_model
 
