@@ -11,7 +11,8 @@ fresh start), and prints the means over the steps after the first (which builds 
 the allocator): tokens/s/GPU (`perf/throughput`, verl's definition: the step's prompt + response tokens over
 step time x devices), the step time and its phases (generation, weight sync, old and reference logprobs,
 update), and the mean response length. `--set` adds overrides (e.g. `worker.actor.fsdp.expert_parallel_size=8`
-to compare expert parallelism against plain FSDP on the same machine).
+to compare expert parallelism against plain FSDP on the same machine). Without `--tiny` it stops before
+torchrun unless it sees a GPU or NPU per rank.
 
 `--tiny` keeps the config too, and swaps only what cannot exist on a CPU machine or would take hours
 (`TINY`): the model (a tiny random Qwen3-VL-MoE of `spmd_grpo/tools/make_tiny_model.py`), the data (the
