@@ -62,7 +62,14 @@ TINY = [
     "worker.rollout.enforce_eager=true",
     "trainer.device=cpu",
 ]
-PHASES = ["gen", "update_weights", "reward", "old_log_prob", "ref", "update_actor"]
+PHASES = [
+    "gen",
+    "update_weights",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "update_actor",
+]  # gen includes update_weights
 
 
 def tiny_moe_model() -> Path:
@@ -152,10 +159,12 @@ def main() -> None:
         metrics = Path(work) / "moe_step_throughput" / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     s = summarise(rows)
+    phases = ", ".join(f"{p} {s[f'{p}_s']:.2f}" for p in PHASES if p not in ("gen", "update_weights"))
     print(
         f"{'tiny Qwen3-VL-MoE (CPU)' if args.tiny else 'Qwen3-VL-30B-A3B'}, {nproc} ranks, {args.steps} steps "
         f"(mean of the last {s['steps_averaged']}): {s['tokens_per_s_per_gpu']:.1f} tokens/s/GPU, step "
-        f"{s['step_s']:.2f} s (" + ", ".join(f"{p} {s[f'{p}_s']:.2f}" for p in PHASES) + f"), "
+        f"{s['step_s']:.2f} s (gen {s['gen_s']:.2f} including update_weights {s['update_weights_s']:.2f}, "
+        f"{phases}), "
         f"{s['tokens_per_step']:.0f} tokens per step, mean response {s['response_length_mean']:.1f} tokens"
     )
     if args.out:
