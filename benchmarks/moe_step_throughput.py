@@ -62,14 +62,8 @@ TINY = [
     "worker.rollout.enforce_eager=true",
     "trainer.device=cpu",
 ]
-PHASES = [
-    "gen",
-    "update_weights",
-    "reward",
-    "old_log_prob",
-    "ref",
-    "update_actor",
-]  # gen includes update_weights
+# `gen` includes `update_weights` (the trainer times the push inside its generation phase)
+PHASES = ["gen", "update_weights", "reward", "old_log_prob", "ref", "update_actor"]
 
 
 def tiny_moe_model() -> Path:
