@@ -125,19 +125,18 @@ def measure(actor, world, baseline: bool, with_engine: bool = False) -> dict:
         heap.where = "reference"
         reference = build_reference()
         models_peak = proc_mem()["VmHWM"] - before
-        if with_engine:
-            heap.where = "engine"
-            ENGINES.append(build_engine(actor, world, policy))  # shut down last: it ends the process group
     seconds = time.perf_counter() - t0
-    mem = proc_mem()
+    kept = proc_mem()["VmRSS"] - before  # the models' columns stop here: the engine has its own line
+    if with_engine:
+        ENGINES.append(build_engine(actor, world, policy))  # shut down last: it ends the process group
     held = sum(p.to_local().numel() * p.element_size() for m in (policy, reference) for p in m.parameters())
     return {
         "rank": world.rank,
         "rss_before": before,
         "policy": policy_peak,
         "total": models_peak,
-        "with_engine": mem["VmHWM"] - before if with_engine else None,
-        "kept": mem["VmRSS"] - before,
+        "with_engine": proc_mem()["VmHWM"] - before if with_engine else None,
+        "kept": kept,
         "live_heap": heap.peak_extra,
         "live_heap_at": heap.peak_at,
         "shards": held,
