@@ -298,7 +298,7 @@ def check_configs(ap: argparse.ArgumentParser, args: argparse.Namespace, model_d
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument(

@@ -93,7 +93,7 @@ def timed(fn, reps: int, device) -> tuple[float, float, object]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts-per-rank", type=int, default=8)
     # Not `--n`: torchrun's parser reads an abbreviation of its own options after the script name too, and
     # `--n` stopped the command with "ambiguous option: --n could match --nnodes, --nproc-per-node, ...".

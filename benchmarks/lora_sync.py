@@ -39,7 +39,7 @@ from spmd_grpo.rollout.engine import RolloutEngine  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["merged", "adapter"], required=True)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)

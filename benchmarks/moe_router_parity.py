@@ -93,7 +93,7 @@ def _with_norm_topk_prob_false(model_dir: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--family", default="qwen3_vl_moe")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--norm-topk-prob-false", action="store_true")
