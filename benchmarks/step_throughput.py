@@ -36,7 +36,8 @@ Printed per configuration (mean over the steps after the first, which warms vLLM
 tokens/s (`perf/throughput`), gen (includes the weight sync), sync (`timing_s/update_weights`), old, ref,
 update, the trainer phases (old + ref + update), the loop overhead (step minus every timed phase), and the
 update's cost against one forward-only pass over the same samples (`update / fwd`: fwd is `old` where
-the separate pass runs, else `ref`, the same forward on the same samples in the same dtype). pg_loss of the
+the separate pass runs, else `ref`, the same forward on the same samples in the same dtype; neither without
+a KL term: no ratio). pg_loss of the
 first step (same seeds, same samples: equal up to rounding) and kl_loss of the second (the first is 0: the
 reference is the initial policy) show that the features leave the losses unchanged.
 
@@ -213,7 +214,22 @@ def check_configs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
             ap.error(f"configuration {name} ({ranks} rank(s)): {e}")
 
 
-def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> list[dict]:
+def forward_phase(run_overrides: list[str], ranks: int) -> str | None:
+    """The timed phase that is one forward-only pass over the step's samples, as the trainer decides it: the
+    separate old-logprob pass where it runs, else the reference pass where the KL term needs one, else none.
+    (When the update takes the old logprobs, `old_log_prob` still times the image encoding and bookkeeping.)"""
+    from spmd_grpo.actor.spec import UpdateSpec
+    from spmd_grpo.config.loader import load_config
+
+    cfg = load_config(REPO / "configs" / "smoke.yaml", run_overrides)
+    spec = UpdateSpec.from_config(cfg, world_size=ranks, pad_token_id=0)
+    if not spec.old_logprobs_in_update(cfg.data.rollout_batch_size * cfg.worker.rollout.n // ranks):
+        return "old_log_prob"
+    return "ref" if cfg.algorithm.use_kl_loss else None
+
+
+def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> tuple[list[dict], str | None]:
+    """The metrics of the training steps of configuration `name`, and its `forward_phase`."""
     ranks, run_overrides, used = run_config(name, model_dir, args, work)
     cmd = [sys.executable, "-m", "spmd_grpo.launch", "--standalone", "--nproc_per_node", str(ranks),
            "-m", "spmd_grpo.train", str(REPO / "configs" / "smoke.yaml"), *run_overrides]  # fmt: skip
@@ -223,7 +239,7 @@ def run(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> lis
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     rows = [json.loads(line) for line in (work / f"bench_{name}" / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("step", 0) > 0]
+    return [r for r in rows if r.get("step", 0) > 0], forward_phase(run_overrides, ranks)
 
 
 def summarise(rows: list[dict]) -> dict[str, float]:
@@ -274,14 +290,11 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
     print("| config | " + " | ".join(heads) + " | update / fwd | pg_loss (step 1) | kl_loss (step 2) |")
     print("| --- " * (len(heads) + 4) + "|")
     for name, r in results.items():
-        # The separate old-logprob pass when it ran; when the update took the old logprobs from its own
-        # forward the timer still records a few ms of bookkeeping, so the reference pass stands in.
-        fwd = r["old_log_prob"] if r["old_log_prob"] > 0.5 * r["ref"] else r["ref"]
+        phase = r["forward_phase"]
+        ratio = f"{r['update_actor'] / r[phase]:.2f}" if phase else "- (no forward-only pass)"
         cells = [f"{r[c]:.1f}" if c == "tokens_per_s" else f"{r[c]:.2f}" for c in cols]
         print(
-            f"| {name} | "
-            + " | ".join(cells)
-            + f" | {r['update_actor'] / fwd:.2f} | {r['pg_loss_step1']:.9g} | "
+            f"| {name} | " + " | ".join(cells) + f" | {ratio} | {r['pg_loss_step1']:.9g} | "
             f"{r['kl_loss_step2']:.9g} |"
         )
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
@@ -475,7 +488,8 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for name in args.configs.split(","):
-            results[name] = summarise(run(name, model_dir, args, Path(work)))
+            rows, phase = run(name, model_dir, args, Path(work))
+            results[name] = {**summarise(rows), "forward_phase": phase}
     print_table(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

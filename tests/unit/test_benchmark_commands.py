@@ -77,6 +77,19 @@ def test_training_run_benchmarks_check_their_configs_before_starting(capsys):
     step_throughput.check_configs(ap, ap.parse_args(["--configs", ",".join(step_throughput.CONFIGS)]))
     _, used = step_throughput.overrides("on", step_throughput.known_keys())
     assert len(used) == len(step_throughput.FEATURES), used  # a renamed key would silently drop a feature
+    # update / fwd divides by a forward-only pass: the separate old pass, else the reference pass, else none
+    phases = {}
+    for name, extra in [
+        ("off", []),
+        ("on", []),
+        ("on-dapo", []),
+        ("on", ["--set", "algorithm.use_kl_loss=false"]),
+    ]:
+        ranks, run_overrides, _ = step_throughput.run_config(
+            name, Path("unbuilt"), ap.parse_args(extra), Path("x")
+        )
+        phases[name, *extra[1:]] = step_throughput.forward_phase(run_overrides, ranks)
+    assert list(phases.values()) == ["old_log_prob", "ref", "ref", None], phases
     ap = bare_limit.parser()
     bare_limit.check_configs(ap, ap.parse_args([]), Path("unbuilt"))
     ap = shared_prompt.parser()
