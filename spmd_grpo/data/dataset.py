@@ -52,7 +52,8 @@ file's rows skipped is an error naming the file):
     as 0..1 or 0..255); any size smart_resize accepts (a 1x1 image is scaled up to min_pixels); an aspect ratio
     above 200 or too thin for max_pixels (3x500 under 16 tokens: a side would be 0 pixels), more pixels than
     PIL's decompression-bomb limit (refused from the header, before decoding), or data that cannot be decoded
-    or is truncated: skipped.
+    or is truncated: skipped. An image or video cell that is not a list of entries (a number column under
+    data.image_key or data.video_key): skipped.
   * a directory's file that cannot be opened (empty, not parquet, truncated, no problem/answer column) or fails
     while being read (a corrupt page, on whichever rank reads it): skipped whole with one line naming it; no
     readable file is an error. An operating-system I/O error (with an errno) is an error, not a skip.

@@ -43,7 +43,10 @@ def image_list(images: Any) -> list:
         return []
     if isinstance(images, Image.Image | bytes | dict | str):
         return [images]
-    return list(images)
+    try:
+        return list(images)
+    except TypeError:  # a number column named as the image column: the row is bad, not the load
+        raise BadRow("images is not a list of images", type(images).__name__) from None
 
 
 def _open_image(image: Any, base_dir: Path | None) -> Image.Image:

@@ -101,7 +101,10 @@ def video_list(videos: Any) -> list:
         return []
     if isinstance(videos, bytes | bytearray | dict | str):
         return [videos]
-    return list(videos)
+    try:
+        return list(videos)
+    except TypeError:  # a number column named as the video column: the row is bad, not the load
+        raise BadRow("videos is not a list of videos", type(videos).__name__) from None
 
 
 def video_name(entry: Any) -> str:

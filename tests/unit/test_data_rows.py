@@ -401,3 +401,17 @@ def test_every_row_bad_is_an_error_naming_the_file(tmp_path, processor):
         ValueError, match=r"no usable examples in .*all_bad\.parquet .*4 bad rows \(missing answer: 4\)"
     ):
         load_dataset(_cfg(path, max_bad_fraction=1.0), processor)
+
+
+@pytest.mark.parametrize("column", ["images", "videos"])
+def test_a_media_column_of_numbers_is_a_bad_row_naming_file_and_row(tmp_path, processor, column):
+    """A number column under data.image_key / video_key (a mapping mistake): each row is bad and named, where
+    the load stopped with `TypeError: 'int' object is not iterable`, naming no file, row or column."""
+    marker = "<image>" if column == "images" else "<video>"
+    table = pa.table({"problem": [f"{marker}q"] * 2, "answer": ["1", "2"], column: [5, 6]})
+    pq.write_table(table, tmp_path / "numbers.parquet")
+    with pytest.raises(
+        ValueError,
+        match=rf"numbers\.parquet: 2 of 2 rows are bad.*row 0 {column} is not a list of {column} \(int\)",
+    ):
+        load_dataset(_cfg(tmp_path / "numbers.parquet"), processor)
