@@ -1,8 +1,8 @@
-"""Each row's checks at load: the question and answer are text (or a finite number), the `<image>` and
-`<video>` markers match the images and videos, no special token is in the text, every image decodes and
-resizes, every video decodes into at least one temporal patch of sampled frames, and the templated prompt
-fits `data.max_prompt_length`. `check_share` runs them over one rank's share of the rows and returns the kept
-rows and the skipped ones with their reasons.
+"""Each row's checks at load: the question and answer are text (or a finite number), data.format_prompt
+renders the question, the `<image>` and `<video>` markers match the images and videos, no special token is
+in the text, every image decodes and resizes, every video decodes into at least one temporal patch of
+sampled frames, and the templated prompt fits `data.max_prompt_length`. `check_share` runs them over one
+rank's share of the rows and returns the kept rows and the skipped ones with their reasons.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, s
             raise values[key].reason
     images, videos = image_list(values["images"]), video_list(values["videos"])
     template, cfg, sizes = prompting.template, prompting.cfg, prompting.sizes
-    text = template.render(content=problem) if template is not None else problem
+    text = _render(template, problem) if template is not None else problem
     check_text(text, len(images), prompting, len(videos))
     resized = [resized_size(decode_image(image, source.base_dir), cfg, sizes.factor) for image in images]
     decoded = [decode_video(video, source.base_dir, sizes.video) for video in videos]
@@ -122,6 +122,15 @@ def _check_row(values: dict, source: Rows, prompting: Prompting) -> tuple[str, s
         return problem, answer, array("i", ids), length, named
     expansion = sum((height // sizes.factor) * (width // sizes.factor) - 1 for width, height in resized)
     return problem, answer, array("i", ids), len(ids) + expansion, ""
+
+
+def _render(template, problem: str) -> str:
+    """data.format_prompt applied to one problem; a template that fails on this row's text (it rendered the
+    preflight's problem) makes the row bad, named, rather than ending the load naming nothing."""
+    try:
+        return template.render(content=problem)
+    except Exception as e:
+        raise BadRow("data.format_prompt failed on the problem", f"{type(e).__name__}: {e}") from e
 
 
 def _expanded_length(

@@ -2,9 +2,9 @@
 model or engine (`spmd_grpo.train` runs it after `validate`; a `--dry-run` plans for another machine and
 skips it). The model and tokenizer (a local checkpoint directory or a hub id, the hub reachable when the id
 must be downloaded), the model's family and LoRA targets (from its config.json on the meta device), the data
-sources and the training set's size against the rollout batch, the prompt template, the reward file (read,
-then imported), the resume directory, and an installed vLLM that can return routed experts when
-routing replay takes vLLM's routes. Each failure is a `ConfigError` naming the key.
+sources and the training set's size against the rollout batch, the prompt template (parsed and rendered
+once), the reward file (read, then imported), the resume directory, and an installed vLLM that can return
+routed experts when routing replay takes vLLM's routes. Each failure is a `ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ def preflight(cfg: Config) -> None:
     check_data_source("data.train_files", d.train_files)
     if d.val_files is not None:
         check_data_source("data.val_files", d.val_files)
-    require(
-        d.format_prompt is None or Path(d.format_prompt).expanduser().is_file(),
-        f"data.format_prompt must be an existing jinja file, got {d.format_prompt!r}: no such file",
-    )
+    check_format_prompt("data.format_prompt", d.format_prompt)
     check_model_path("worker.actor.model.model_path", model.model_path)
     if model.tokenizer_path is not None:
         check_model_path("worker.actor.model.tokenizer_path", model.tokenizer_path)
@@ -49,6 +46,37 @@ def preflight(cfg: Config) -> None:
     check_family(cfg)
     check_lora_targets(cfg)
     check_routing_replay(cfg)
+
+
+def check_format_prompt(key: str, value: str | None) -> None:
+    """The prompt template: an existing UTF-8 jinja file that parses, uses `content` (the row's problem) and
+    renders a problem. Otherwise the load failed on every rank naming no file (a syntax error, a filter
+    that fails on text), or, for a template without `content`, every prompt lost its problem and each row was
+    skipped for `<image>` markers that no longer matched its images."""
+    if value is None:
+        return
+    path = Path(value).expanduser()
+    require(path.is_file(), f"{key} must be an existing jinja file, got {value!r}: no such file")
+    import jinja2
+    import jinja2.meta
+
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {value} is not UTF-8 text (byte {e.start})") from None
+    try:
+        parsed = jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{key}: {value} line {e.lineno}: {e.message}") from None
+    require(
+        "content" in jinja2.meta.find_undeclared_variables(parsed),
+        f"{key}: {value} never uses {{{{ content }}}} (the row's problem, with its <image> markers): "
+        "every prompt would be the template alone",
+    )
+    try:  # the loader's own construction (data.prompts), on a problem of the geometry3k schema
+        jinja2.Template(text).render(content="<image>Find x. Choices: A. 1 B. 2")
+    except Exception as e:
+        raise ConfigError(f"{key}: {value}: rendering a problem raised {type(e).__name__}: {e}") from None
 
 
 def check_routing_replay(cfg: Config) -> None:

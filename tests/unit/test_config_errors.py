@@ -26,6 +26,7 @@ from spmd_grpo.config.loader import load_config
 from spmd_grpo.config.validate import validate
 
 NUM_TRAIN_ROWS = 8
+REPO = Path(__file__).resolve().parents[2]
 USER_CODE_THAT_EXITS = {  # reward files whose import raises a BaseException that is not an Exception
     "exits_at_import": "import sys\nsys.exit(0)",
     "argparse_at_import": "import argparse\nargparse.ArgumentParser().parse_args()",
@@ -79,6 +80,9 @@ def files(tmp_path_factory) -> Path:
     (root / "syntax_error.py").write_text("def fn(:\n")
     for name, statement in USER_CODE_THAT_EXITS.items():
         (root / f"{name}.py").write_text(f"{statement}\n\ndef fn(samples):\n    return []\n")
+    (root / "syntax.jinja").write_text("{{ content | trim }}\nThink, then answer in {{ \\boxed{} }}.\n")
+    (root / "no_content.jinja").write_text("Think step by step, then put the answer in \\boxed{}.\n")
+    (root / "method.jinja").write_text("{{ content.strip().capitalise() }}\n")
     (root / "latin1.yaml").write_bytes("data:\n  system_prompt: caf\xe9\n".encode("latin-1"))
     (root / "run" / "checkpoints").mkdir(parents=True)
     (root / "a_file").write_text("a file where a run directory should be\n")
@@ -134,6 +138,16 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["data.val_files=./val_missing"], "data.val_files"),
     (["data.rollout_batch_size=16"], "data.rollout_batch_size"),  # > the 8 rows of train.parquet
     (["data.format_prompt=ROOT/missing.jinja"], "data.format_prompt"),
+    # a template that does not parse, drops the problem, or fails on text (the load failed naming no file)
+    (
+        ["data.format_prompt=ROOT/syntax.jinja"],
+        "data.format_prompt: ROOT/syntax.jinja line 2: unexpected char",
+    ),
+    (["data.format_prompt=ROOT/no_content.jinja"], "data.format_prompt: ROOT/no_content.jinja never uses"),
+    (
+        ["data.format_prompt=ROOT/method.jinja"],
+        "ROOT/method.jinja: rendering a problem raised UndefinedError",
+    ),
     (["worker.actor.model.model_path=ROOT/missing_model"], "worker.actor.model.model_path"),
     (["worker.actor.model.model_path=ROOT/empty"], "worker.actor.model.model_path"),  # no config.json
     (["worker.actor.model.model_path=ROOT/llava"], "worker.actor.model.model_path"),  # unsupported family
@@ -334,6 +348,10 @@ def test_the_base_config_reaches_the_trainer(cli, files):
                 "algorithm.filter_groups.enable=true",
                 "algorithm.filter_groups.metric=accuracy",
             ]
+        )
+    with pytest.raises(ReachedTrainer):  # the shipped prompt template
+        train.main(
+            [str(files / "base.yaml"), f"data.format_prompt={REPO / 'configs/format_prompt/math.jinja'}"]
         )
     with pytest.raises(ReachedTrainer):  # LoRA targets the model has
         train.main(

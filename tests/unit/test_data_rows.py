@@ -415,3 +415,18 @@ def test_a_media_column_of_numbers_is_a_bad_row_naming_file_and_row(tmp_path, pr
         match=rf"numbers\.parquet: 2 of 2 rows are bad.*row 0 {column} is not a list of {column} \(int\)",
     ):
         load_dataset(_cfg(tmp_path / "numbers.parquet"), processor)
+
+
+def test_a_prompt_template_failing_on_one_row_skips_that_row_naming_it(tmp_path, processor, caplog):
+    """A format_prompt that renders most problems but raises on one (here: non-ASCII text) skips that row,
+    named, where the load stopped on every rank with the jinja error alone, naming no file or row."""
+    rows = [{"problem": f"<image>{p}", "answer": "1", "images": [_png()]} for p in ("a?", "caf\xe9?", "b?")]
+    path = write_parquet(rows, tmp_path / "t.parquet")
+    template = tmp_path / "ascii.jinja"
+    template.write_text("{{ content.encode('ascii').decode() }} Answer briefly.")
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
+        examples = load_dataset(_cfg(path, format_prompt=str(template), max_bad_fraction=0.5), processor)
+    assert [e.index for e in examples] == [0, 2]
+    assert _skip_lines(caplog)[0].startswith(
+        f"skipped {path} row 1: data.format_prompt failed on the problem (UnicodeEncodeError: 'ascii' codec"
+    )
