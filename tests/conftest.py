@@ -82,6 +82,17 @@ def tiny_model(tie_word_embeddings: bool = False, **spec_kwargs) -> Path:
     return cached_tiny_model(CACHE, TinyModelSpec(tie_word_embeddings=tie_word_embeddings, **spec_kwargs))
 
 
+def checkpoint_stand_in(path: Path, config: str = '{"model_type": "qwen2_5_vl"}') -> Path:
+    """A model directory the start-up checks accept without reading it (config.json, a tokenizer file, a chat
+    template, a weights file by name): for tests that stop before any model is built."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(config)
+    (path / "tokenizer.json").write_text("{}")
+    (path / "chat_template.jinja").write_text("{{ messages }}")
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_untied() -> Path:
     return tiny_model(tie_word_embeddings=False)

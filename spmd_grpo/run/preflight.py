@@ -1,10 +1,11 @@
 """Preflight: what the config points to must exist on this machine, checked before any process group,
 model or engine (`spmd_grpo.train` runs it after `validate`; a `--dry-run` plans for another machine and
 skips it). The model and tokenizer (a local checkpoint directory or a hub id, the hub reachable when the id
-must be downloaded), the model's family and LoRA targets (from its config.json on the meta device), the data
-sources and the training set's size against the rollout batch, the prompt template (parsed and rendered
-once), the reward file (read, then imported), the resume directory, and an installed vLLM that can return
-routed experts when routing replay takes vLLM's routes. Each failure is a `ConfigError` naming the key.
+must be downloaded; a local one holds its safetensors files and a chat template for its processor), the
+model's family and LoRA targets (from its config.json on the meta device), the data sources and the
+training set's size against the rollout batch, the prompt template (parsed and rendered once), the reward
+file (read, then imported), the resume directory, and an installed vLLM that can return routed experts when
+routing replay takes vLLM's routes. Each failure is a `ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def preflight(cfg: Config) -> None:
     if model.tokenizer_path is not None:
         check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
     check_family(cfg)
+    check_weight_files("worker.actor.model.model_path", model.model_path)
+    check_chat_template(f"worker.actor.model.{source}", getattr(model, source))
     check_lora_targets(cfg)
     check_routing_replay(cfg)
 
@@ -301,6 +304,60 @@ def check_tokenizer_dir(key: str, value: str) -> None:
         any(all((path / name).is_file() for name in group) for group in TOKENIZER_FILES),
         f"{key}: {value!r} holds no tokenizer files (tokenizer.json, or vocab.json and merges.txt)",
     )
+
+
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+"""Where transformers' processor reads its chat template from (besides a `chat_template` key in
+processor_config.json). A template only in tokenizer_config.json is not the processor's: `apply_chat_template`
+then fails for every row at load ("this processor does not have a chat template"), naming no file."""
+
+
+def check_chat_template(key: str, value: str) -> None:
+    """A local directory the processor is read from has a chat template (every prompt is built with it)."""
+    path = Path(value).expanduser()
+    if not path.is_dir() or any((path / name).exists() for name in CHAT_TEMPLATE_FILES):
+        return
+    if "chat_template" in _json_keys(path / "processor_config.json"):
+        return
+    tokenizer_only = "chat_template" in _json_keys(path / "tokenizer_config.json")
+    raise ConfigError(
+        f"{key}: {value!r} has no chat template for its processor (chat_template.jinja, chat_template.json, "
+        "or chat_template in processor_config.json)"
+        + (
+            " and the processor does not read tokenizer_config.json's: save it as chat_template.jinja"
+            if tokenizer_only
+            else ""
+        )
+        + "; every prompt is built with it"
+    )
+
+
+def _json_keys(path: Path) -> set[str]:
+    """The top-level keys of a JSON object file; empty when it is missing or not a JSON object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(data) if isinstance(data, dict) else set()
+
+
+def check_weight_files(key: str, value: str) -> None:
+    """A local checkpoint directory holds its safetensors files (those its index names, else
+    `*.safetensors`; names only, nothing read). Without them the job stopped at model load, after the
+    process group had formed and every row of the data set had been read and checked."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        return
+    from spmd_grpo.models.weights import INDEX, weight_files
+
+    try:
+        weight_files(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or no weight_map object
+        raise ConfigError(
+            f"{key}: {path / INDEX} is not a safetensors index ({type(e).__name__}: {e})"
+        ) from None
 
 
 def check_data_source(key: str, source: str) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, torchrun_command
+from tests.conftest import REPO, checkpoint_stand_in, free_port, torchrun_command
 
 UNKNOWN = "trainer.set_by_the_launch_script"
 
@@ -79,9 +79,7 @@ def fn(samples):
 
 
 def test_a_config_error_only_the_ranks_find_is_said_once_with_exit_2(tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')  # enough to validate
-    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    checkpoint_stand_in(tmp_path / "model")  # enough to validate
     (tmp_path / "reward.py").write_text(RANKS_ONLY_REWARD)
     cmd, env = torchrun_command(
         ["-m", "spmd_grpo.train", "configs/smoke.yaml", f"worker.actor.model.model_path={tmp_path / 'model'}",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -45,6 +46,16 @@ def files(tmp_path_factory) -> Path:
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     (root / "model" / "tokenizer.json").write_text("{}")
+    (root / "model" / "chat_template.jinja").write_text("{{ messages }}")
+    save_file({"weight": torch.zeros(1)}, root / "model" / "model.safetensors")
+    for name in ("no_weights", "bad_index", "no_template"):  # the model directory with one thing missing
+        shutil.copytree(root / "model", root / name)
+    (root / "no_weights" / "model.safetensors").unlink()
+    (root / "bad_index" / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}'
+    )
+    (root / "no_template" / "chat_template.jinja").unlink()
+    (root / "no_template" / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
     (root / "no_tokenizer").mkdir()  # a checkpoint whose tokenizer.json was deleted
     (root / "no_tokenizer" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     (root / "empty").mkdir()
@@ -159,6 +170,19 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["worker.reward.reward_function=ROOT/syntax_error.py:fn"], "worker.reward.reward_function"),
     (["trainer.resume=ROOT/run/checkpoints/global_step_7"], "trainer.resume"),
     (["worker.actor.model.model_path=ROOT/no_tokenizer"], "worker.actor.model.model_path"),
+    # weights and chat template (the job stopped at model load, or at data load naming no file)
+    (
+        ["worker.actor.model.model_path=ROOT/no_weights"],
+        f"{A}model.model_path: no *.safetensors in ROOT/no_weights",
+    ),
+    (
+        ["worker.actor.model.model_path=ROOT/bad_index"],
+        f"{A}model.model_path: ROOT/bad_index/model.safetensors.index.json names files that are not in",
+    ),
+    (
+        ["worker.actor.model.model_path=ROOT/no_template"],
+        f"{A}model.model_path: 'ROOT/no_template' has no chat template for its processor",
+    ),
     # the new families: vLLM CPU serves Qwen3.5 in bf16 only;
     # an MoE checkpoint whose top-k normalisation vLLM would apply differently from transformers
     (["worker.actor.model.model_path=ROOT/qwen3_5"], "worker.rollout.dtype"),
@@ -349,6 +373,15 @@ def test_the_base_config_reaches_the_trainer(cli, files):
                 "algorithm.filter_groups.metric=accuracy",
             ]
         )
+    for name, content in [  # the processor's other chat template places (as transformers 5.19 reads them)
+        ("chat_template.json", '{"chat_template": "{{ messages }}"}'),
+        ("processor_config.json", '{"chat_template": "{{ messages }}"}'),
+    ]:
+        other = files / f"template_in_{name}"
+        shutil.copytree(files / "no_template", other, dirs_exist_ok=True)
+        (other / name).write_text(content)
+        with pytest.raises(ReachedTrainer):
+            train.main([str(files / "base.yaml"), f"worker.actor.model.model_path={other}"])
     with pytest.raises(ReachedTrainer):  # the shipped prompt template
         train.main(
             [str(files / "base.yaml"), f"data.format_prompt={REPO / 'configs/format_prompt/math.jinja'}"]

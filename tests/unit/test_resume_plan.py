@@ -25,7 +25,7 @@ from spmd_grpo.run.start import (
 )
 from spmd_grpo.telemetry.loggers import JsonlLogger
 from spmd_grpo.train import main
-from tests.conftest import ONE_CPU_RANK, fake_checkpoint
+from tests.conftest import ONE_CPU_RANK, checkpoint_stand_in, fake_checkpoint
 
 BASE = ["worker.actor.model.model_path=/models/x", "trainer.experiment_name=run"]
 
@@ -258,9 +258,9 @@ def test_cli_refusal_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("{}\n")
-    (tmp_path / "model").mkdir()  # the config checks want a real model directory before the run directory
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
-    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    checkpoint_stand_in(
+        tmp_path / "model"
+    )  # the config checks want a model directory before the run directory
     smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
     with pytest.raises(SystemExit) as e:
         main(

@@ -15,7 +15,7 @@ import pytest
 
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.run.lock import LOCK, check_not_locked, lock_run_dir, name_holder
-from tests.conftest import REPO
+from tests.conftest import REPO, checkpoint_stand_in
 
 HOLD = """
 import sys, time
@@ -75,9 +75,7 @@ def test_the_launchers_probe_refuses_a_held_directory_and_holds_nothing(holder, 
 
 def test_the_cli_refuses_with_one_line_and_exit_2(holder, tmp_path):
     run, proc = holder
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')  # enough to validate
-    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    checkpoint_stand_in(tmp_path / "model")  # enough to validate
     before = sorted(p.name for p in run.iterdir())
     start = time.monotonic()
     cli = subprocess.run(
