@@ -4,7 +4,9 @@ validation of what a reward function returns, and DAPO's overlong penalty.
 Interface (EasyR1's batch reward functions): a reward function takes `list[dict]`, one dict per sample with
 at least `response: str`, `response_length: int`, `ground_truth: str` (plus any extra keys the data carries,
 e.g. `data_source`, `prompt`, `uid`), and returns `list[dict[str, float]]` of the same length, every dict with
-the same keys, among them `overall` (the score used for advantages; the other keys are logged).
+the same keys, among them `overall` (the score used for advantages; the other keys are logged). A user
+function that cannot be called with that one argument (verl's per-sample `compute_score(data_source,
+solution_str, ground_truth, extra_info)`) is refused when it is loaded, before any model exists.
 
 Papers and sources:
 - Geometry3k math reward: verl `verl/utils/reward_score/geo3k.py` and EasyR1
@@ -126,7 +128,27 @@ def load_reward_function(spec: str, format_weight: float = 0.1) -> RewardFn:
     fn = getattr(module, fn_name)
     if not callable(fn):
         raise ValueError(f"reward function spec {spec!r}: {fn_name!r} is a {type(fn).__name__}, not callable")
+    _check_batch_signature(spec, fn_name, fn)
     return fn
+
+
+def _check_batch_signature(spec: str, fn_name: str, fn: Callable) -> None:
+    """`fn` can be called as the trainer calls it, `fn(samples)`: a function of verl's per-sample shape,
+    `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, failed only at the first
+    step's reward, after the model and vLLM had loaded and generated. A callable without an inspectable
+    signature is taken as it is."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind([])
+    except TypeError as e:
+        raise ValueError(
+            f"reward function spec {spec!r}: {fn_name}{signature} cannot be called with one argument ({e}); "
+            "the trainer calls it once per batch with a list of sample dicts (response, response_length, "
+            "ground_truth, ...) and takes a list of score dicts back"
+        ) from None
 
 
 def _import_reward_file(spec: str, path: Path, module_name: str):

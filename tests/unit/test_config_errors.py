@@ -88,6 +88,9 @@ def files(tmp_path_factory) -> Path:
     )
     (root / "broken_import.py").write_text("import no_such_module_xyz\n\ndef fn(samples):\n    return []\n")
     (root / "not_callable.py").write_text("fn = 3\n")
+    (root / "per_sample.py").write_text(  # verl's per-sample shape
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    )
     (root / "syntax_error.py").write_text("def fn(:\n")
     for name, statement in USER_CODE_THAT_EXITS.items():
         (root / f"{name}.py").write_text(f"{statement}\n\ndef fn(samples):\n    return []\n")
@@ -168,6 +171,10 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["worker.reward.reward_function=ROOT/broken_import.py:fn"], "worker.reward.reward_function"),
     (["worker.reward.reward_function=ROOT/not_callable.py:fn"], "worker.reward.reward_function"),
     (["worker.reward.reward_function=ROOT/syntax_error.py:fn"], "worker.reward.reward_function"),
+    (
+        ["worker.reward.reward_function=ROOT/per_sample.py:compute_score"],
+        "worker.reward.reward_function: reward function spec",
+    ),
     (["trainer.resume=ROOT/run/checkpoints/global_step_7"], "trainer.resume"),
     (["worker.actor.model.model_path=ROOT/no_tokenizer"], "worker.actor.model.model_path"),
     # weights and chat template (the job stopped at model load, or at data load naming no file)

@@ -110,6 +110,30 @@ def test_the_readme_reward_example_is_the_shipped_file_and_scores_as_it_says():
     assert scores["length_cost"].tolist() == pytest.approx([0.009, 0.006, 0.0])
 
 
+def test_a_reward_function_that_cannot_take_the_batch_is_refused_at_load(tmp_path):
+    """verl's per-sample shape (or a missing argument) failed only at the first step's reward, after the
+    model and vLLM had loaded; batch functions with extra optional or keyword-only parameters still load."""
+    path = tmp_path / "shapes.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+        "def no_arguments():\n    return []\n"
+        "def batch(samples, scale=1.0, *, key='overall'):\n    return [{key: scale} for _ in samples]\n"
+        "def star(*args, **kwargs):\n    return [{'overall': 0.0} for _ in args[0]]\n"
+    )
+    for name, says in [
+        ("compute_score", "compute_score(data_source, solution_str, ground_truth, extra_info=None) cannot be "
+         "called with one argument (missing a required argument: 'solution_str')"),
+        ("no_arguments", "no_arguments() cannot be called with one argument (too many positional arguments)"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            load_reward_function(f"{path}:{name}")
+        assert says in str(info.value) and "once per batch with a list of sample dicts" in str(info.value)
+    for name in ("batch", "star"):
+        assert score_samples(load_reward_function(f"{path}:{name}"), [sample("a")])["overall"].tolist() == [
+            1.0 if name == "batch" else 0.0
+        ]
+
+
 def test_user_file_import_error_names_spec(tmp_path):
     path = tmp_path / "broken.py"
     path.write_text("import definitely_not_a_module_xyz\n")
