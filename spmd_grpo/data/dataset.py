@@ -320,7 +320,8 @@ def _drop_too_long(
         return kept
     if not too_long:
         raise ValueError(
-            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): {bad_rows}"
+            f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): "
+            f"{bad_rows or 'it holds no rows'}"
         )
     named = [
         f"row {e.index}: {e.num_prompt_tokens} tokens"

@@ -103,8 +103,9 @@ def check_routing_replay(cfg: Config) -> None:
 
 
 def check_data_size(cfg: Config) -> None:
-    """The training set (counted from parquet footers, or the builtin size) holds one rollout batch; a hub
-    data set is counted when it loads."""
+    """The training set (counted from parquet footers, or the builtin size) holds one rollout batch, and the
+    validation set is readable and not empty (it was read only after the process group had formed, and an
+    empty one stopped the job with a message giving no reason); a hub data set is counted when it loads."""
     d = cfg.data
     try:
         rows = count_rows(d.train_files, d.num_builtin_examples)
@@ -114,6 +115,16 @@ def check_data_size(cfg: Config) -> None:
         rows is None or rows >= d.rollout_batch_size,
         f"data.rollout_batch_size ({d.rollout_batch_size}) must be <= the rows of data.train_files "
         f"({rows} in {d.train_files})",
+    )
+    if d.val_files is None:
+        return
+    try:
+        val_rows = count_rows(d.val_files, d.num_builtin_examples)
+    except ConfigError as e:
+        raise ConfigError(f"data.val_files: {e}") from None
+    require(
+        val_rows != 0,
+        f"data.val_files: {d.val_files} holds no rows; set data.val_files=null to train without validation",
     )
 
 

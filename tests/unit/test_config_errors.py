@@ -82,6 +82,7 @@ def files(tmp_path_factory) -> Path:
     fused = {"model.language_model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 4, 6)}
     save_file(fused, root / "moe_8_experts" / "model.safetensors")
     pq.write_table(table, root / "train.parquet")
+    pq.write_table(table.slice(0, 0), root / "no_rows.parquet")
     (root / "not_parquet.parquet").write_bytes(b"not a parquet file")
     (root / "reward.py").write_text(
         "def my_reward(samples):\n    return [{'overall': 0.0} for _ in samples]\n"
@@ -150,6 +151,12 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     ([f"{A}model.lora.rank=1025"], f"{A}model.lora.rank (1025) is wider than the adapted layer"),
     ([f"{A}model.lora.rank=100000000"], "k_proj (8192 -> 1024 features)"),
     (["data.val_files=./val_missing"], "data.val_files"),
+    # read only after the process group formed; an empty one said "no usable examples in FILE (...): "
+    (
+        ["data.val_files=ROOT/not_parquet.parquet"],
+        "data.val_files: ROOT/not_parquet.parquet is not a readable",
+    ),
+    (["data.val_files=ROOT/no_rows.parquet"], "data.val_files: ROOT/no_rows.parquet holds no rows"),
     (["data.rollout_batch_size=16"], "data.rollout_batch_size"),  # > the 8 rows of train.parquet
     (["data.format_prompt=ROOT/missing.jinja"], "data.format_prompt"),
     # a template that does not parse, drops the problem, or fails on text (the load failed naming no file)

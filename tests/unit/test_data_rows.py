@@ -401,6 +401,13 @@ def test_every_row_bad_is_an_error_naming_the_file(tmp_path, processor):
         ValueError, match=r"no usable examples in .*all_bad\.parquet .*4 bad rows \(missing answer: 4\)"
     ):
         load_dataset(_cfg(path, max_bad_fraction=1.0), processor)
+    pq.write_table(
+        pq.read_table(path).slice(0, 0), tmp_path / "no_rows.parquet"
+    )  # the reason, not ": " alone
+    with pytest.raises(
+        ValueError, match=r"no usable examples in .*no_rows\.parquet \(.*\): it holds no rows$"
+    ):
+        load_dataset(_cfg(tmp_path / "no_rows.parquet"), processor)
 
 
 @pytest.mark.parametrize("column", ["images", "videos"])
