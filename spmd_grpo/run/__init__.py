@@ -6,7 +6,8 @@
     manifest.py    size and CRC-32 of every checkpoint file, written at save and verified before a resume
     lineage.py     a resume from an earlier checkpoint sets the later ones (an abandoned branch) aside
     lock.py        one job per run directory: an exclusive lock rank 0 holds for the job's life
-    preflight.py   what the config points to exists here (model, data, reward file, family, LoRA targets)
+    preflight.py   what the config points to exists here (model, reward file, family, LoRA targets)
+    preflight_data.py  the same for the data section: sources, parquet columns, sizes, the prompt template
     export.py      `python -m spmd_grpo.export CKPT OUT`: a checkpoint as a Hugging Face model directory
     export_lora.py the same for a LoRA checkpoint: a PEFT adapter directory, optionally the merged model
 

@@ -1,11 +1,12 @@
 """Preflight: what the config points to must exist on this machine, checked before any process group,
 model or engine (`spmd_grpo.train` runs it after `validate`; a `--dry-run` plans for another machine and
-skips it). The model and tokenizer (a local checkpoint directory or a hub id, the hub reachable when the id
-must be downloaded; a local one holds its safetensors files and a chat template for its processor), the
-model's family and LoRA targets (from its config.json on the meta device), the data sources and the
-training set's size against the rollout batch, the prompt template (parsed and rendered once), the reward
-file (read, then imported), the resume directory, and an installed vLLM that can return routed experts when
-routing replay takes vLLM's routes. Each failure is a `ConfigError` naming the key.
+skips it). The data section (sources, parquet footers and columns, sizes, the prompt template:
+preflight_data.py), the model and tokenizer (a local checkpoint directory or a hub id, the hub reachable
+when the id must be downloaded; a local one holds its safetensors files and a chat template for its
+processor), the model's family and LoRA targets (from its config.json on the meta device), the reward file
+(read, then imported, its function callable with the batch), the resume directory, and an installed vLLM
+that can return routed experts when routing replay takes vLLM's routes. Each failure is a `ConfigError`
+naming the key.
 """
 
 from __future__ import annotations
@@ -15,17 +16,15 @@ import json
 import os
 from pathlib import Path
 
-from spmd_grpo.config.checks import BUILTIN_REWARDS, HUB_ID, ConfigError, require
+from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError, require
 from spmd_grpo.config.schema import Config
+from spmd_grpo.run.preflight_data import check_data, looks_like_hub_id
 
 
 def preflight(cfg: Config) -> None:
     """Every check of this module, cheapest first; raises ConfigError on the first failure."""
-    d, model, t = cfg.data, cfg.worker.actor.model, cfg.trainer
-    check_data_source("data.train_files", d.train_files)
-    if d.val_files is not None:
-        check_data_source("data.val_files", d.val_files)
-    check_format_prompt("data.format_prompt", d.format_prompt)
+    model, t = cfg.worker.actor.model, cfg.trainer
+    check_data(cfg)  # sources, footers, columns, sizes, the prompt template
     check_model_path("worker.actor.model.model_path", model.model_path)
     if model.tokenizer_path is not None:
         check_model_path("worker.actor.model.tokenizer_path", model.tokenizer_path)
@@ -39,7 +38,6 @@ def preflight(cfg: Config) -> None:
         "trainer.resume must be auto, none or an existing checkpoint directory (global_step_N), "
         f"got {t.resume!r}: no such directory",
     )
-    check_data_size(cfg)
     check_reward_imports(cfg)
     check_hub_reachable("worker.actor.model.model_path", model.model_path)
     if model.tokenizer_path is not None:
@@ -49,37 +47,6 @@ def preflight(cfg: Config) -> None:
     check_chat_template(f"worker.actor.model.{source}", getattr(model, source))
     check_lora_targets(cfg)
     check_routing_replay(cfg)
-
-
-def check_format_prompt(key: str, value: str | None) -> None:
-    """The prompt template: an existing UTF-8 jinja file that parses, uses `content` (the row's problem) and
-    renders a problem. Otherwise the load failed on every rank naming no file (a syntax error, a filter
-    that fails on text), or, for a template without `content`, every prompt lost its problem and each row was
-    skipped for `<image>` markers that no longer matched its images."""
-    if value is None:
-        return
-    path = Path(value).expanduser()
-    require(path.is_file(), f"{key} must be an existing jinja file, got {value!r}: no such file")
-    import jinja2
-    import jinja2.meta
-
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{key}: {value} is not UTF-8 text (byte {e.start})") from None
-    try:
-        parsed = jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"{key}: {value} line {e.lineno}: {e.message}") from None
-    require(
-        "content" in jinja2.meta.find_undeclared_variables(parsed),
-        f"{key}: {value} never uses {{{{ content }}}} (the row's problem, with its <image> markers): "
-        "every prompt would be the template alone",
-    )
-    try:  # the loader's own construction (data.prompts), on a problem of the geometry3k schema
-        jinja2.Template(text).render(content="<image>Find x. Choices: A. 1 B. 2")
-    except Exception as e:
-        raise ConfigError(f"{key}: {value}: rendering a problem raised {type(e).__name__}: {e}") from None
 
 
 def check_routing_replay(cfg: Config) -> None:
@@ -99,32 +66,6 @@ def check_routing_replay(cfg: Config) -> None:
         where is None,
         f"worker.actor.moe.routing_replay=rollout needs vLLM's routed experts (enable_return_routed_experts), "
         f"which vLLM 0.32 returns only from its V2 model runner on CUDA (Triton), but {where}; use old or none",
-    )
-
-
-def check_data_size(cfg: Config) -> None:
-    """The training set (counted from parquet footers, or the builtin size) holds one rollout batch, and the
-    validation set is readable and not empty (it was read only after the process group had formed, and an
-    empty one stopped the job with a message giving no reason); a hub data set is counted when it loads."""
-    d = cfg.data
-    try:
-        rows = count_rows(d.train_files, d.num_builtin_examples)
-    except ConfigError as e:
-        raise ConfigError(f"data.train_files: {e}") from None
-    require(
-        rows is None or rows >= d.rollout_batch_size,
-        f"data.rollout_batch_size ({d.rollout_batch_size}) must be <= the rows of data.train_files "
-        f"({rows} in {d.train_files})",
-    )
-    if d.val_files is None:
-        return
-    try:
-        val_rows = count_rows(d.val_files, d.num_builtin_examples)
-    except ConfigError as e:
-        raise ConfigError(f"data.val_files: {e}") from None
-    require(
-        val_rows != 0,
-        f"data.val_files: {d.val_files} holds no rows; set data.val_files=null to train without validation",
     )
 
 
@@ -233,14 +174,6 @@ def check_lora_targets(cfg: Config) -> None:
             raise ConfigError(f"{e} (model {model.model_path})") from None
 
 
-def _looks_like_hub_id(value: str) -> bool:
-    """`owner/name[@split]` that cannot be a local path: no leading `/`, `.` or `~`, and `owner` is not a
-    directory here (`models/qwen` with a `models/` directory is a missing local path, not a hub id)."""
-    if not HUB_ID.match(value) or value[0] in "/.~":
-        return False
-    return not Path(value.split("/")[0]).is_dir()
-
-
 def _hub_cache_has(repo_id: str) -> bool:
     """Whether the Hugging Face cache holds a snapshot of model `repo_id` with its config.json."""
     home = os.environ.get("HF_HOME", str(Path("~/.cache/huggingface").expanduser()))
@@ -259,7 +192,7 @@ def check_model_path(key: str, value: str) -> None:
         )
         return
     require(
-        _looks_like_hub_id(value),
+        looks_like_hub_id(value),
         f"{key} must be an existing checkpoint directory or a hub id owner/name, got {value!r}: "
         f"{'not a directory' if path.exists() else 'no such directory'}",
     )
@@ -280,7 +213,7 @@ def check_hub_reachable(key: str, value: str, timeout_s: float = 5.0) -> None:
     retried for 2.5 minutes before failing. So first one TCP connection to the hub (`HF_ENDPOINT`, or the
     HTTPS proxy that reaches it) within `timeout_s`; refused or timed out is a ConfigError naming the key.
     Local paths, cached ids and `HF_HUB_OFFLINE=1` (checked by `check_model_path`) need no network."""
-    if not _looks_like_hub_id(value) or _hub_offline() or _hub_cache_has(value):
+    if not looks_like_hub_id(value) or _hub_offline() or _hub_cache_has(value):
         return
     import socket
     import urllib.parse
@@ -369,45 +302,6 @@ def check_weight_files(key: str, value: str) -> None:
         raise ConfigError(
             f"{key}: {path / INDEX} is not a safetensors index ({type(e).__name__}: {e})"
         ) from None
-
-
-def check_data_source(key: str, source: str) -> None:
-    """A parquet file, a directory holding *.parquet, `builtin:<task>` (checked by the section), a hub id."""
-    if source.startswith("builtin:"):
-        return
-    path = Path(source).expanduser()
-    if path.is_file():
-        return
-    if path.is_dir():
-        require(any(path.glob("*.parquet")), f"{key}: directory {source!r} holds no *.parquet file")
-        return
-    require(
-        _looks_like_hub_id(source),
-        f"{key} must be a parquet file or directory, builtin:<task> or a hub id owner/name[@split], "
-        f"got {source!r}: no such file or directory",
-    )
-
-
-def count_rows(source: str, num_builtin_examples: int) -> int | None:
-    """Rows of a data source before any is read (parquet footers only); None for a hub data set."""
-    if source.startswith("builtin:"):
-        return num_builtin_examples
-    path = Path(source).expanduser()
-    if not (path.is_file() or path.is_dir()):
-        return None
-    import pyarrow.parquet as pq
-
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
-    rows, unreadable = 0, []
-    for file in files:
-        try:
-            rows += pq.read_metadata(file).num_rows
-        except Exception as e:  # pyarrow raises several types for a file that is not parquet
-            unreadable.append(f"{file} is not a readable parquet file: {type(e).__name__}: {e}")
-    # A bad file among good ones in a directory is skipped by the loader (named in its log), not fatal here.
-    if unreadable and (path.is_file() or len(unreadable) == len(files)):
-        raise ConfigError(unreadable[0])
-    return rows
 
 
 def check_reward_file(key: str, spec: str) -> None:

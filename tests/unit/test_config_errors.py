@@ -83,6 +83,17 @@ def files(tmp_path_factory) -> Path:
     save_file(fused, root / "moe_8_experts" / "model.safetensors")
     pq.write_table(table, root / "train.parquet")
     pq.write_table(table.slice(0, 0), root / "no_rows.parquet")
+    (root / "mixed").mkdir()  # a file without the columns beside a good one: skipped by the loader, named
+    pq.write_table(table, root / "mixed" / "a.parquet")
+    pq.write_table(table.rename_columns(["question", "answer"]), root / "mixed" / "b.parquet")
+    n = NUM_TRAIN_ROWS
+    for name, columns in [  # columns none of whose rows the loader could read
+        ("question_column", {"question": ["<image>1+1?"] * n, "answer": ["2"] * n}),
+        ("number_problems", {"problem": list(range(n)), "answer": ["2"] * n}),
+        ("flag_answers", {"problem": ["1+1?"] * n, "answer": [True] * n}),
+        ("number_images", {"problem": ["<image>1+1?"] * n, "answer": ["2"] * n, "images": list(range(n))}),
+    ]:
+        pq.write_table(pa.table(columns), root / f"{name}.parquet")
     (root / "not_parquet.parquet").write_bytes(b"not a parquet file")
     (root / "reward.py").write_text(
         "def my_reward(samples):\n    return [{'overall': 0.0} for _ in samples]\n"
@@ -151,6 +162,23 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     ([f"{A}model.lora.rank=1025"], f"{A}model.lora.rank (1025) is wider than the adapted layer"),
     ([f"{A}model.lora.rank=100000000"], "k_proj (8192 -> 1024 features)"),
     (["data.val_files=./val_missing"], "data.val_files"),
+    # columns (the loader found them after the process group formed, a wrong type after reading every row)
+    (
+        ["data.train_files=ROOT/question_column.parquet"],
+        "data.train_files: ROOT/question_column.parquet has no column 'problem'",
+    ),
+    (
+        ["data.train_files=ROOT/number_problems.parquet"],
+        "column 'problem' (data.prompt_key) is int64, not text",
+    ),
+    (
+        ["data.val_files=ROOT/flag_answers.parquet"],
+        "data.val_files: ROOT/flag_answers.parquet: column 'answer' (data.answer_key) is bool",
+    ),
+    (
+        ["data.train_files=ROOT/number_images.parquet"],
+        "column 'images' (data.image_key) is int64, not a list of images",
+    ),
     # read only after the process group formed; an empty one said "no usable examples in FILE (...): "
     (
         ["data.val_files=ROOT/not_parquet.parquet"],
@@ -396,6 +424,14 @@ def test_the_base_config_reaches_the_trainer(cli, files):
         (other / name).write_text(content)
         with pytest.raises(ReachedTrainer):
             train.main([str(files / "base.yaml"), f"worker.actor.model.model_path={other}"])
+    with pytest.raises(ReachedTrainer):  # a directory with one file the loader can read
+        train.main([str(files / "base.yaml"), f"data.train_files={files / 'mixed'}"])
+    with pytest.raises(ReachedTrainer):  # number answers
+        train.main([str(files / "base.yaml"), f"data.train_files={files / 'number_problems.parquet'}",
+                    "data.prompt_key=answer", "data.answer_key=problem"])  # fmt: skip
+    with pytest.raises(ReachedTrainer):  # a column of the wrong type where bad rows may all be skipped
+        train.main([str(files / "base.yaml"), f"data.train_files={files / 'number_images.parquet'}",
+                    "data.max_bad_fraction=1.0"])  # fmt: skip
     with pytest.raises(ReachedTrainer):  # the shipped prompt template
         train.main(
             [str(files / "base.yaml"), f"data.format_prompt={REPO / 'configs/format_prompt/math.jinja'}"]
