@@ -40,6 +40,9 @@ def preflight(cfg: Config) -> None:
     )
     check_reward_imports(cfg)
     check_hub_reachable("worker.actor.model.model_path", model.model_path)
+    for key, data in [("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)]:
+        if data is not None and not data.startswith("builtin:"):
+            check_hub_reachable(key, data, kind="dataset")
     if model.tokenizer_path is not None:
         check_hub_reachable("worker.actor.model.tokenizer_path", model.tokenizer_path)
     check_family(cfg)
@@ -174,11 +177,16 @@ def check_lora_targets(cfg: Config) -> None:
             raise ConfigError(f"{e} (model {model.model_path})") from None
 
 
-def _hub_cache_has(repo_id: str) -> bool:
-    """Whether the Hugging Face cache holds a snapshot of model `repo_id` with its config.json."""
+def _hub_cache_has(repo_id: str, kind: str = "model") -> bool:
+    """Whether the Hugging Face cache holds a snapshot of model `repo_id` with its config.json, or (`kind`
+    "dataset") any file of data set `repo_id`, or its prepared copy in the `datasets` cache."""
     home = os.environ.get("HF_HOME", str(Path("~/.cache/huggingface").expanduser()))
     cache = Path(os.environ.get("HF_HUB_CACHE", os.path.join(home, "hub")))
-    return any((cache / f"models--{repo_id.replace('/', '--')}" / "snapshots").glob("*/config.json"))
+    snapshots = cache / f"{kind}s--{repo_id.replace('/', '--')}" / "snapshots"
+    if kind == "model":
+        return any(snapshots.glob("*/config.json"))
+    prepared = Path(os.environ.get("HF_DATASETS_CACHE", os.path.join(home, "datasets")))
+    return any(snapshots.glob("*/*")) or (prepared / repo_id.replace("/", "___")).is_dir()
 
 
 def check_model_path(key: str, value: str) -> None:
@@ -208,12 +216,16 @@ transformers builds the Qwen tokenizer from. Without them it fails after the con
 with advice about sentencepiece that names no file."""
 
 
-def check_hub_reachable(key: str, value: str, timeout_s: float = 5.0) -> None:
+def check_hub_reachable(key: str, value: str, timeout_s: float = 5.0, *, kind: str = "model") -> None:
     """A hub id missing from the local cache is downloaded at start-up, and without network huggingface_hub
-    retried for 2.5 minutes before failing. So first one TCP connection to the hub (`HF_ENDPOINT`, or the
-    HTTPS proxy that reaches it) within `timeout_s`; refused or timed out is a ConfigError naming the key.
-    Local paths, cached ids and `HF_HUB_OFFLINE=1` (checked by `check_model_path`) need no network."""
-    if not looks_like_hub_id(value) or _hub_offline() or _hub_cache_has(value):
+    retried for 2.5 minutes before failing (a data set, `kind` "dataset": `datasets` retried for 24 s
+    with no DNS, after the process group had formed). So first one TCP connection to the hub (`HF_ENDPOINT`,
+    or the HTTPS proxy that reaches it) within `timeout_s`; refused or timed out is a ConfigError naming the
+    key. Local paths, cached ids and `HF_HUB_OFFLINE=1` (checked by `check_model_path`; for a data set also
+    `HF_DATASETS_OFFLINE=1`) need no network."""
+    repo_id = value.partition("@")[0]
+    offline = _hub_offline() or (kind == "dataset" and _flag("HF_DATASETS_OFFLINE"))
+    if not looks_like_hub_id(value) or offline or _hub_cache_has(repo_id, kind):
         return
     import socket
     import urllib.parse
@@ -236,7 +248,11 @@ def check_hub_reachable(key: str, value: str, timeout_s: float = 5.0) -> None:
 
 
 def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+    return _flag("HF_HUB_OFFLINE")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
 
 
 def check_tokenizer_dir(key: str, value: str) -> None:

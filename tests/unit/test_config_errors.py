@@ -551,6 +551,19 @@ def test_an_unreachable_hub_fails_in_seconds_naming_the_key(cli, files, monkeypa
     (snapshot / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     with pytest.raises(ReachedTrainer):  # the control: cached, nothing to download
         train.main([str(files / "base.yaml"), f"worker.actor.model.model_path={hub_id}"])
+    # a data set likewise (`datasets` retried for 24 s with no DNS, after the process group had formed)
+    for key in ("data.train_files", "data.val_files"):
+        start = time.monotonic()
+        code, lines = cli([f"{key}=hiyouga/geometry3k@test"])
+        assert time.monotonic() - start < 10
+        assert code == 2 and len(lines) == 1, lines
+        assert lines[0].startswith(f"config error: {key}: 'hiyouga/geometry3k@test' is not in the local"), (
+            lines
+        )
+    prepared = files / "hf_home" / "datasets" / "hiyouga___geometry3k"
+    prepared.mkdir(parents=True)
+    with pytest.raises(ReachedTrainer):  # the control: prepared by `datasets` before, nothing to download
+        train.main([str(files / "base.yaml"), "data.val_files=hiyouga/geometry3k@test"])
 
 
 # ------------------------------------------------------------------------------ the run directory, the launcher
