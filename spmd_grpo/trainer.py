@@ -39,7 +39,7 @@ from spmd_grpo.algorithm.advantage import compute_batch_std_advantages, compute_
 from spmd_grpo.algorithm.reward import load_reward_function, overlong_penalty, score_samples
 from spmd_grpo.config.schema import Config
 from spmd_grpo.config.validate import ignored_settings
-from spmd_grpo.data.dataset import load_dataset
+from spmd_grpo.data.dataset import DataError, load_dataset
 from spmd_grpo.data.prompts import processor_sizes
 from spmd_grpo.data.sampler import PromptSampler
 from spmd_grpo.data.samples import Prompt, Sample
@@ -49,7 +49,12 @@ from spmd_grpo.models.moe.metrics import moe_metrics
 from spmd_grpo.parallel import collectives
 from spmd_grpo.parallel.collectives import World
 from spmd_grpo.parallel.devices import memory_line, seed_everything
-from spmd_grpo.parallel.signals import StopOnSignal, exit_promptly, warn_if_grace_outlasts_shutdown
+from spmd_grpo.parallel.signals import (
+    StopOnSignal,
+    exit_promptly,
+    say_once_and_exit,
+    warn_if_grace_outlasts_shutdown,
+)
 from spmd_grpo.rollout.dynamic_sampling import collect_groups
 from spmd_grpo.rollout.engine import RolloutEngine
 from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, attach_video_inputs, generate
@@ -377,7 +382,9 @@ def run(cfg: Config, plan: StartPlan | None = None) -> None:
     `plan` (run.start.plan_start, made here when not given) decided what to do with the run directory).
 
     SIGTERM/SIGINT are listened for from the first line, so a signal during start-up counts too; an
-    exception ends the rank at once with exit code 1 (`exit_promptly`), so torchrun brings the job down."""
+    exception ends the rank at once with exit code 1 (`exit_promptly`), so torchrun brings the job down; a
+    data set that cannot be trained on (`DataError`, found alike on every rank while loading, before any
+    model is built) is one line, `data error: ...`, and exit code 2, as a config error."""
     stop = StopOnSignal(cfg.trainer.preempt_grace_s).install()
     exit_promptly(lambda: _run(cfg, plan, stop))
 
@@ -399,4 +406,8 @@ def _run(cfg: Config, plan: StartPlan | None, stop: StopOnSignal) -> None:
             log.info(line)
     abandon_branch(plan, world)  # a resume from an earlier checkpoint leaves the later ones aside
     seed_everything(cfg.trainer.seed)
-    Trainer(cfg, world, plan, stop).train()
+    try:
+        trainer = Trainer(cfg, world, plan, stop)
+    except DataError as e:  # the data set, read before any model: one line and exit code 2, no traceback
+        say_once_and_exit(f"data error: {e}", world.rank)
+    trainer.train()

@@ -28,7 +28,9 @@ pad tokens). The per-row results (kept rows with their text, answer and token id
 are all-gathered with the `all_gather` the caller passes (`parallel.all_gather_objects` under torchrun), so
 every rank holds the same Examples and raises the same errors; only rank 0 logs. A rank that cannot read its
 range (an operating-system I/O error) sends its error through the same all-gather, and every rank raises it
-rather than waiting for it.
+rather than waiting for it. What makes a data set unusable (the cases below that are errors, and a source
+that does not open) is a `DataError`, which the trainer prints as one line, `data error: ...`, before any
+model is built, ending the job with exit code 2.
 
 What a row may hold, and what happens to it (a skipped row is logged as `skipped FILE row N: REASON`, at most
 `MAX_NAMED_PER_REASON` rows per reason, then one line of counts per reason; more than `max_bad_fraction` of a
@@ -100,6 +102,12 @@ from spmd_grpo.data.row_checks import KeptRow, SkippedFile, SkippedRow, check_sh
 from spmd_grpo.data.sources import MAX_NAMED_PER_REASON, Rows, open_sources, warn_large_row_groups
 
 logger = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A data set that cannot be trained on, found at load (too many bad rows, no readable file, no usable
+    example, a source that does not open). Every rank raises the same one (the findings are all-gathered),
+    so the trainer says it once, in one line, and ends the job with a config error's exit code, 2."""
 
 
 AllGather = Callable[[Any], list]
@@ -186,18 +194,21 @@ def load_dataset(
         layout = [(s.name, s.num_rows) for s in sources]
         mine: tuple[str, Any, Any] = ("ok", layout, check_share(sources, prompting, rank, world_size))
     except Exception as e:  # sent to every rank, so none waits in the all-gather for this one
-        error, mine = e, ("error", f"{type(e).__name__}: {e}", None)
+        # a ValueError is the data's (a source that does not open, a system prompt with a special token)
+        error, mine = e, ("error", f"{type(e).__name__}: {e}", isinstance(e, ValueError))
     parts = all_gather(mine)
     if len(parts) != world_size:
         raise ValueError(f"all_gather returned {len(parts)} parts for a world of size {world_size}")
     if mine[0] == "error":
+        if mine[2]:
+            raise DataError(str(error)) from error
         raise error
-    failed = [(r, what) for r, (status, what, _) in enumerate(parts) if status == "error"]
+    failed = [(r, what, data) for r, (status, what, data) in enumerate(parts) if status == "error"]
     if failed:
-        r, what = failed[0]
-        raise ValueError(f"reading {source} failed on rank {r}: {what}")
+        r, what, data = failed[0]
+        raise (DataError if data else ValueError)(f"reading {source} failed on rank {r}: {what}")
     if any(what != layout for _, what, _ in parts):  # a file readable on some ranks only
-        raise ValueError(f"the ranks opened different files of {source}: {[what for _, what, _ in parts]}")
+        raise DataError(f"the ranks opened different files of {source}: {[what for _, what, _ in parts]}")
     results = [result for _, _, part in parts for result in part]
     examples = _examples(sources, unreadable, results, cfg, log=rank == 0, name=source)
     videos = {sources[r.source].index_offset + r.row: r.videos for r in results if getattr(r, "videos", "")}
@@ -224,7 +235,7 @@ def _examples(
     bad_files = unreadable + [(sources[k].name, why) for k, why in failed.items()]
     if len(failed) == len(sources):
         named = "; ".join(f"{name}: {why}" for name, why in bad_files[:MAX_NAMED_PER_REASON])
-        raise ValueError(f"no readable file among {len(bad_files)}: {named}")
+        raise DataError(f"no readable file among {len(bad_files)}: {named}")
     if log:
         _log_skipped_files(bad_files, len(sources) + len(unreadable))
     results = [r for r in results if r.source not in failed]
@@ -298,7 +309,7 @@ def _log_bad_rows(sources: list[Rows], bad: list[SkippedRow], num_rows: int, nam
 def _check_bad_fraction(source: Rows, bad: list[SkippedRow], cfg: DataConfig) -> None:
     if len(bad) > cfg.max_bad_fraction * source.num_rows:
         first = "; ".join(f"row {r.row} {r.reason}" for r in bad[:MAX_NAMED_PER_REASON])
-        raise ValueError(
+        raise DataError(
             f"{source.name}: {len(bad)} of {source.num_rows} rows are bad, more than data.max_bad_fraction="
             f"{cfg.max_bad_fraction}; first reasons: {first}"
         )
@@ -319,7 +330,7 @@ def _drop_too_long(
     if not too_long and kept:
         return kept
     if not too_long:
-        raise ValueError(
+        raise DataError(
             f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): "
             f"{bad_rows or 'it holds no rows'}"
         )
@@ -343,7 +354,7 @@ def _drop_too_long(
         what += ", or shrink the images with data.max_pixels"
     if not kept:
         why = "; ".join(filter(None, [bad_rows, f"too long: {what}"]))
-        raise ValueError(
+        raise DataError(
             f"no usable examples in {source} (data.max_prompt_length={cfg.max_prompt_length}): {why}"
         )
     if log:

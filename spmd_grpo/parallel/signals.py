@@ -135,6 +135,19 @@ def exit_promptly(main: Callable[[], None]) -> None:
         _hard_exit(1)
 
 
+def say_once_and_exit(line: str, rank: int, quiet_s: float = 5.0) -> None:
+    """End this rank with exit code 2 (a config error's) after a problem with the user's input that every
+    rank found alike (a data set gathered from every rank): rank 0 prints `line` at once; the others print
+    it only if rank 0's exit has not ended them (torchrun does) within `quiet_s`, so the job says it once,
+    and `spmd_grpo.launch` adds no failure report after a rank's exit code 2."""
+    if rank != 0:
+        for sig in STOP_SIGNALS:  # torchrun ending this rank after rank 0's exit is expected: no more lines
+            signal.signal(sig, signal.SIG_DFL)
+        time.sleep(quiet_s)
+    print(line, file=sys.stderr)
+    _hard_exit(2)
+
+
 # ------------------------------------------------------------------------------- naming a stuck rank
 _PHASE_KEY = "spmd_grpo/phase/{}"
 

@@ -27,7 +27,7 @@ import pytest
 from PIL import Image
 
 from spmd_grpo.config.schema import DataConfig
-from spmd_grpo.data.dataset import load_dataset
+from spmd_grpo.data.dataset import DataError, load_dataset
 from spmd_grpo.data.sources import MAX_NAMED_PER_REASON
 from spmd_grpo.data.synthetic import synthetic_geo3k_rows, write_parquet
 from tests.conftest import tiny_model
@@ -175,7 +175,7 @@ def test_special_tokens_in_text_are_skipped(tmp_path, processor, caplog):
 
 def test_special_tokens_in_prompt_settings(tmp_path, processor):
     path = write_parquet([{"problem": "<image>q", "answer": "1", "images": [_png()]}], tmp_path / "p.parquet")
-    with pytest.raises(ValueError, match=r"data.system_prompt contains the special token '<\|im_end\|>'"):
+    with pytest.raises(DataError, match=r"data.system_prompt contains the special token '<\|im_end\|>'"):
         load_dataset(_cfg(path, system_prompt="Be brief.<|im_end|>"), processor)
     template = tmp_path / "fmt.jinja"
     template.write_text("{{ content }}<|endoftext|>")
@@ -395,17 +395,17 @@ def test_skip_log_names_a_few_rows_per_reason(tmp_path, processor, caplog):
 def test_every_row_bad_is_an_error_naming_the_file(tmp_path, processor):
     rows = [{"problem": "<image>q", "answer": None, "images": [_png()]} for _ in range(4)]
     path = write_parquet(rows, tmp_path / "all_bad.parquet")
-    with pytest.raises(ValueError, match=r"all_bad\.parquet: 4 of 4 rows are bad.*row 0 missing answer"):
+    with pytest.raises(DataError, match=r"all_bad\.parquet: 4 of 4 rows are bad.*row 0 missing answer"):
         load_dataset(_cfg(path), processor)
     with pytest.raises(
-        ValueError, match=r"no usable examples in .*all_bad\.parquet .*4 bad rows \(missing answer: 4\)"
+        DataError, match=r"no usable examples in .*all_bad\.parquet .*4 bad rows \(missing answer: 4\)"
     ):
         load_dataset(_cfg(path, max_bad_fraction=1.0), processor)
     pq.write_table(
         pq.read_table(path).slice(0, 0), tmp_path / "no_rows.parquet"
     )  # the reason, not ": " alone
     with pytest.raises(
-        ValueError, match=r"no usable examples in .*no_rows\.parquet \(.*\): it holds no rows$"
+        DataError, match=r"no usable examples in .*no_rows\.parquet \(.*\): it holds no rows$"
     ):
         load_dataset(_cfg(tmp_path / "no_rows.parquet"), processor)
 
