@@ -388,7 +388,8 @@ def _load_data(file: Path):
 
 def _check_keys(path: Path, to_load: dict) -> None:
     """Fail with the names instead of DCP's error when the policy/optimizer does not match the checkpoint
-    (e.g. a different model or `freeze_vision_tower` changed: the optimizer then holds other parameters)."""
+    (e.g. a different model or `freeze_vision_tower` changed: the optimizer then holds other parameters;
+    another size of the same family: DCP's size mismatch read as a damaged checkpoint)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, _ = flatten_state_dict(to_load)
@@ -399,3 +400,10 @@ def _check_keys(path: Path, to_load: dict) -> None:
             f"checkpoint {path} lacks {len(missing)} entries this policy/optimizer needs (was it saved with a "
             f"different model or freeze_vision_tower setting?), e.g. {missing[:5]}"
         )
+    for key, value in flat.items():  # DTensor.shape is the global shape, as saved
+        size = getattr(saved[key], "size", None)
+        if isinstance(value, torch.Tensor) and size is not None and tuple(size) != tuple(value.shape):
+            raise ValueError(
+                f"checkpoint {path} holds {key} of shape {list(size)}, this policy's is {list(value.shape)}: "
+                "it was saved from another model than worker.actor.model.model_path builds"
+            )

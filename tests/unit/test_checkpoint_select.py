@@ -172,6 +172,17 @@ def test_mismatched_model_and_bad_trainer_state_fail_clearly(tmp_path):
     bundle = OptimizerBundle(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     with pytest.raises(ValueError, match="lacks .* entries"):
         load_checkpoint(path, policy=other, optim=bundle, world=ONE_CPU_RANK)
+    # another size of the same layers: DCP's size mismatch was read as damage ("its DCP shards failed to load")
+    wider = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(wider.parameters())
+    bundle = OptimizerBundle(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    with pytest.raises(ValueError) as e:
+        load_or_fall_back(path, policy=wider, optim=bundle, world=ONE_CPU_RANK, auto=True)
+    assert type(e.value) is ValueError, e.value  # not UnreadableCheckpoint: no checkpoint is damaged
+    assert str(e.value) == (
+        f"checkpoint {path} holds model.0.weight of shape [8, 4], this policy's is [16, 4]: it was saved from "
+        "another model than worker.actor.model.model_path builds"
+    )
 
 
 class _Payload:
