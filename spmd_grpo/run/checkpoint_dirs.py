@@ -128,6 +128,18 @@ def saved_lora_rank(checkpoint: Path) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------ find
+def _checkpoints_inside(path: Path) -> str:
+    """For a `trainer.resume` that names a run directory or its `checkpoints/` instead of one checkpoint: the
+    checkpoints found there, as a hint ('' when none)."""
+    found = sorted(p.name for d in (path, path / CHECKPOINTS) if d.is_dir() for p in d.glob("global_step_*"))
+    if not found:
+        return ""
+    return (
+        f"; it holds {', '.join(found[-3:])}: name one of them (trainer.resume takes a global_step_N "
+        "directory), or use trainer.resume=auto in that run directory"
+    )
+
+
 def find_checkpoint(
     run_dir: Path, resume: str, *, checksums: bool = True, rank: int | None = 0
 ) -> Path | None:
@@ -145,10 +157,13 @@ def find_checkpoint(
         path = Path(resume)
         missing = missing_parts(path)
         if missing:
-            raise ValueError(f"resume={resume!r} is not a complete checkpoint: missing {', '.join(missing)}")
+            raise ValueError(
+                f"trainer.resume={resume!r} is not a complete checkpoint: missing {', '.join(missing)}"
+                + _checkpoints_inside(path)
+            )
         damage = damaged_parts(path, checksums=checksums)
         if damage:
-            raise ValueError(f"resume={resume!r} is damaged: {'; '.join(damage)}")
+            raise ValueError(f"trainer.resume={resume!r} is damaged: {'; '.join(damage)}")
         _say_if_unverified(path, say, prefix)
         return path
 

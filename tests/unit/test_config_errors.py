@@ -111,6 +111,8 @@ def files(tmp_path_factory) -> Path:
     (root / "method.jinja").write_text("{{ content.strip().capitalise() }}\n")
     (root / "latin1.yaml").write_bytes("data:\n  system_prompt: caf\xe9\n".encode("latin-1"))
     (root / "run" / "checkpoints").mkdir(parents=True)
+    for step in (2, 4):
+        (root / "other_run" / "checkpoints" / f"global_step_{step}").mkdir(parents=True)
     (root / "a_file").write_text("a file where a run directory should be\n")
     (root / "base.yaml").write_text(
         f"data:\n  train_files: {root / 'train.parquet'}\n  val_files: builtin:color\n"
@@ -211,6 +213,11 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
         "worker.reward.reward_function: reward function spec",
     ),
     (["trainer.resume=ROOT/run/checkpoints/global_step_7"], "trainer.resume"),
+    (["trainer.resume=ROOT/model"], "trainer.resume='ROOT/model' is not a complete checkpoint: missing DCP"),
+    (  # a run directory where one checkpoint is wanted
+        ["trainer.resume=ROOT/other_run"],
+        "it holds global_step_2, global_step_4: name one of them (trainer.resume takes a global_step_N",
+    ),
     (["worker.actor.model.model_path=ROOT/no_tokenizer"], "worker.actor.model.model_path"),
     # weights and chat template (the job stopped at model load, or at data load naming no file)
     (
