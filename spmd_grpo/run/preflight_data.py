@@ -93,6 +93,14 @@ def looks_like_hub_id(value: str) -> bool:
     return not Path(value.split("/")[0]).is_dir()
 
 
+OTHER_FORMATS = (".json", ".jsonl", ".csv", ".tsv", ".arrow", ".txt")
+"""Data files other trainers read (EasyR1 reads JSON lines through `datasets`); here only parquet is."""
+ONLY_PARQUET = (
+    "only parquet is read; convert it, e.g. pandas.read_json(FILE, lines=True).to_parquet(OUT), keeping "
+    "images as {bytes, path} structs"
+)
+
+
 def check_data_source(key: str, source: str) -> None:
     """A parquet file, a directory holding *.parquet, `builtin:<task>` (checked by the section), a hub id."""
     if source.startswith("builtin:"):
@@ -101,7 +109,12 @@ def check_data_source(key: str, source: str) -> None:
     if path.is_file():
         return
     if path.is_dir():
-        require(any(path.glob("*.parquet")), f"{key}: directory {source!r} holds no *.parquet file")
+        others = sorted({f.suffix for f in path.iterdir() if f.suffix in OTHER_FORMATS})
+        require(
+            any(path.glob("*.parquet")),
+            f"{key}: directory {source!r} holds no *.parquet file"
+            + (f" (it holds {', '.join('*' + s for s in others)} files: {ONLY_PARQUET})" if others else ""),
+        )
         return
     require(
         looks_like_hub_id(source),
@@ -125,7 +138,10 @@ def count_rows(source: str, num_builtin_examples: int) -> int | None:
         try:
             rows += pq.read_metadata(file).num_rows
         except Exception as e:  # pyarrow raises several types for a file that is not parquet
-            unreadable.append(f"{file} is not a readable parquet file: {type(e).__name__}: {e}")
+            if file.suffix in OTHER_FORMATS:
+                unreadable.append(f"{file} is a {file.suffix} file, not parquet: {ONLY_PARQUET}")
+            else:
+                unreadable.append(f"{file} is not a readable parquet file: {type(e).__name__}: {e}")
     # A bad file among good ones in a directory is skipped by the loader (named in its log), not fatal here.
     if unreadable and (path.is_file() or len(unreadable) == len(files)):
         raise ConfigError(unreadable[0])

@@ -95,6 +95,9 @@ def files(tmp_path_factory) -> Path:
     ]:
         pq.write_table(pa.table(columns), root / f"{name}.parquet")
     (root / "not_parquet.parquet").write_bytes(b"not a parquet file")
+    (root / "jsonl").mkdir()
+    for file in (root / "rows.jsonl", root / "jsonl" / "rows.jsonl"):
+        file.write_text('{"problem": "1+1?", "answer": "2"}\n' * NUM_TRAIN_ROWS)
     (root / "reward.py").write_text(
         "def my_reward(samples):\n    return [{'overall': 0.0} for _ in samples]\n"
     )
@@ -154,6 +157,12 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (["data.train_files=ROOT/missing.parquet"], "data.train_files"),
     (["data.train_files=ROOT/empty"], "data.train_files"),
     (["data.train_files=ROOT/not_parquet.parquet"], "data.train_files"),
+    # JSON lines (which EasyR1 reads): said as such, where pyarrow said "Parquet magic bytes not found"
+    (["data.train_files=ROOT/rows.jsonl"], "data.train_files: ROOT/rows.jsonl is a .jsonl file, not parquet"),
+    (
+        ["data.train_files=ROOT/jsonl"],
+        "data.train_files: directory 'ROOT/jsonl' holds no *.parquet file (it holds *.jsonl files: only parquet is read",
+    ),
     # LoRA targets are matched against the model's layers (its config.json, built on the meta device)
     (
         [f"{A}model.lora.rank=8", f"{A}model.lora.target_modules=[q_proj,qkv_proj]"],
