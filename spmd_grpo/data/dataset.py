@@ -42,7 +42,8 @@ file's rows skipped is an error naming the file):
     NaN/infinity, booleans and lists: skipped.
   * the tokenizer's special tokens written as text (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`,
     `<|image_pad|>`, `<|endoftext|>`, ...): skipped, not escaped; they would end the user turn early or give vLLM
-    vision tokens without an image. In `data.system_prompt` they are an error.
+    vision tokens without an image. In `data.system_prompt` or the `data.format_prompt` file they are an
+    error naming it.
   * videos (`videos` column, `<video>` markers, `data.videos`): every video is decoded and sampled at load
     (PyAV; qwen-vl-utils' rules), and the prompt's expanded length is the processor's own count; a video that
     cannot be decoded, has no frame rate or fewer frames than one temporal patch, or more videos than

@@ -92,7 +92,9 @@ def processor_sizes(cfg: DataConfig, processor, limit_videos: int | None) -> Pro
     )
 
 
-def _load_template(cfg: DataConfig):
+def _load_template(cfg: DataConfig, special: re.Pattern | None):
+    """data.format_prompt's template. A special token written in it is an error naming the file (every row
+    would otherwise be skipped for a special token in its text, naming the rows instead)."""
     if cfg.format_prompt is None:
         return None
     import jinja2
@@ -100,7 +102,13 @@ def _load_template(cfg: DataConfig):
     path = Path(cfg.format_prompt).expanduser()
     if not path.is_file():
         raise ValueError(f"data.format_prompt: no such file {cfg.format_prompt}")
-    return jinja2.Template(path.read_text())
+    text = path.read_text()
+    found = special.search(text) if special else None
+    if found:
+        raise ValueError(
+            f"data.format_prompt: {cfg.format_prompt} contains the special token {found.group()!r}"
+        )
+    return jinja2.Template(text)
 
 
 def _special_tokens(tokenizer) -> re.Pattern | None:
@@ -144,7 +152,7 @@ class Prompting:
         found = special.search(cfg.system_prompt) if special and cfg.system_prompt else None
         if found:
             raise ValueError(f"data.system_prompt contains the special token {found.group()!r}")
-        template = _load_template(cfg)
+        template = _load_template(cfg, special)
         video_pad_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
         return cls(
             cfg, processor, tokenizer, template, image_pad_id, sizes, special, limit_images,
