@@ -84,12 +84,15 @@ def tiny_model(tie_word_embeddings: bool = False, **spec_kwargs) -> Path:
 
 def checkpoint_stand_in(path: Path, config: str = '{"model_type": "qwen2_5_vl"}') -> Path:
     """A model directory the start-up checks accept without reading it (config.json, a tokenizer file, a chat
-    template, a weights file by name): for tests that stop before any model is built."""
+    template, a one-tensor weights file): for tests that stop before any model is built."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(config)
     (path / "tokenizer.json").write_text("{}")
     (path / "chat_template.jinja").write_text("{{ messages }}")
-    (path / "model.safetensors").write_bytes(b"")
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(1)}, path / "model.safetensors")
     return path
 
 

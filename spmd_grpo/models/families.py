@@ -368,7 +368,13 @@ def family_of_model_path(model_path: str) -> Family | None:
         config = path / "config.json"
         if not config.is_file():
             raise ValueError(f"{model_path} has no config.json")
-        return family_for_type(json.loads(config.read_text()).get("model_type"), str(config))
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except ValueError as e:
+            raise ValueError(f"{config} is not JSON ({e})") from None
+        except AttributeError:
+            raise ValueError(f"{config} is not a JSON object") from None
+        return family_for_type(model_type, str(config))
     if model_path in PUBLISHED:
         return PUBLISHED[model_path]
     try:

@@ -311,13 +311,34 @@ def check_weight_files(key: str, value: str) -> None:
     from spmd_grpo.models.weights import INDEX, weight_files
 
     try:
-        weight_files(path)
+        files = weight_files(path)
     except FileNotFoundError as e:
         raise ConfigError(f"{key}: {e}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or no weight_map object
         raise ConfigError(
             f"{key}: {path / INDEX} is not a safetensors index ({type(e).__name__}: {e})"
         ) from None
+    for file in files:
+        damage = _safetensors_damage(file)
+        require(not damage, f"{key}: {file}: {damage} (an interrupted download or copy? fetch it again)")
+
+
+def _safetensors_damage(file: Path) -> str:
+    """'' when a safetensors file's header reads and the file holds every byte the header places, else what
+    is wrong (header only: a few kB per file). A truncated file failed inside the sharded load."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= size - 8:
+                return f"not a safetensors file (header length {length}, file {size} bytes)"
+            header = json.loads(f.read(length))
+        end = max((entry["data_offsets"][1] for k, entry in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"unreadable safetensors header ({type(e).__name__}: {e})"
+    if 8 + length + end > size:
+        return f"truncated: {size} bytes, its header places tensors up to byte {8 + length + end}"
+    return ""
 
 
 def check_reward_file(key: str, spec: str) -> None:

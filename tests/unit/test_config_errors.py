@@ -48,8 +48,13 @@ def files(tmp_path_factory) -> Path:
     (root / "model" / "tokenizer.json").write_text("{}")
     (root / "model" / "chat_template.jinja").write_text("{{ messages }}")
     save_file({"weight": torch.zeros(1)}, root / "model" / "model.safetensors")
-    for name in ("no_weights", "bad_index", "no_template"):  # the model directory with one thing missing
+    broken = ("no_weights", "bad_index", "no_template", "truncated_weights", "not_safetensors", "bad_config")
+    for name in broken:  # the model directory with one thing missing or broken
         shutil.copytree(root / "model", root / name)
+    weights = (root / "model" / "model.safetensors").read_bytes()
+    (root / "truncated_weights" / "model.safetensors").write_bytes(weights[:-2])  # an interrupted download
+    (root / "not_safetensors" / "model.safetensors").write_bytes(b"<html>rate limited</html>")
+    (root / "bad_config" / "config.json").write_text('{"model_type": "qwen2_5_vl",}')
     (root / "no_weights" / "model.safetensors").unlink()
     (root / "bad_index" / "model.safetensors.index.json").write_text(
         '{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}'
@@ -236,6 +241,18 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (
         ["worker.actor.model.model_path=ROOT/bad_index"],
         f"{A}model.model_path: ROOT/bad_index/model.safetensors.index.json names files that are not in",
+    ),
+    (
+        ["worker.actor.model.model_path=ROOT/truncated_weights"],
+        f"{A}model.model_path: ROOT/truncated_weights/model.safetensors: truncated: ",
+    ),
+    (
+        ["worker.actor.model.model_path=ROOT/not_safetensors"],
+        f"{A}model.model_path: ROOT/not_safetensors/model.safetensors: not a safetensors file",
+    ),
+    (
+        ["worker.actor.model.model_path=ROOT/bad_config"],
+        "ROOT/bad_config/config.json is not JSON (Expecting property name enclosed in double quotes: line 1",
     ),
     (
         ["worker.actor.model.model_path=ROOT/no_template"],
