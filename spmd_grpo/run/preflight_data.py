@@ -101,6 +101,10 @@ ONLY_PARQUET = (
 )
 
 
+SAMPLE_ROWS = 64
+"""Rows whose problems `check_media_columns` reads from a file without an image or video column."""
+
+
 def check_data_source(key: str, source: str) -> None:
     """A parquet file, a directory holding *.parquet, `builtin:<task>` (checked by the section), a hub id."""
     if source.startswith("builtin:"):
@@ -209,5 +213,33 @@ def check_columns(key: str, source: str, d: DataConfig) -> None:
                     f"{key}: {file}: column {column!r} (data.{row_key}) is {schema.field(column).type}, not "
                     f"{what}: every row of the file would be skipped; set data.{row_key}"
                 )
+        check_media_columns(key, file, d, names)
     if lacking and len(lacking) == readable:
         raise ConfigError(f"{key}: {lacking[0]}; set data.prompt_key / data.answer_key")
+
+
+def check_media_columns(key: str, file: Path, d: DataConfig, names: list[str]) -> None:
+    """A file without the data.image_key (data.video_key) column, more of whose first `SAMPLE_ROWS` problems
+    than data.max_bad_fraction hold `<image>` (`<video>`) markers: the loader would skip those rows for
+    markers without images, then refuse the file, naming the rows and not the column (a data set whose
+    column is `image`, not `images`). Reads only the prompt column of those rows."""
+    wanted = [
+        (k, m) for k, m in (("image_key", "<image>"), ("video_key", "<video>")) if getattr(d, k) not in names
+    ]
+    if not wanted:
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(file) as f:
+            batch = next(f.iter_batches(batch_size=SAMPLE_ROWS, columns=[d.prompt_key]), None)
+        problems = [p for p in batch.column(0).to_pylist() if isinstance(p, str)] if batch is not None else []
+    except Exception:  # unreadable values are the row checks' business
+        return
+    for row_key, marker in wanted:
+        marked = sum(marker in p for p in problems)
+        require(
+            not problems or marked <= d.max_bad_fraction * len(problems),
+            f"{key}: {file} has no column {getattr(d, row_key)!r} (data.{row_key}; columns: {names}), but "
+            f"{marked} of its first {len(problems)} problems hold {marker} markers; set data.{row_key}",
+        )

@@ -64,7 +64,7 @@ def files(tmp_path_factory) -> Path:
     (root / "no_tokenizer").mkdir()  # a checkpoint whose tokenizer.json was deleted
     (root / "no_tokenizer" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     (root / "empty").mkdir()
-    table = pa.table({"problem": ["<image>1+1?"] * NUM_TRAIN_ROWS, "answer": ["2"] * NUM_TRAIN_ROWS})
+    table = pa.table({"problem": ["1+1?"] * NUM_TRAIN_ROWS, "answer": ["2"] * NUM_TRAIN_ROWS})  # text only
     (root / "llava").mkdir()
     (root / "llava" / "config.json").write_text('{"model_type": "llava"}')
     for name, config in [  # the new families' config.json as the checks read them (no weights needed)
@@ -97,6 +97,7 @@ def files(tmp_path_factory) -> Path:
         ("number_problems", {"problem": list(range(n)), "answer": ["2"] * n}),
         ("flag_answers", {"problem": ["1+1?"] * n, "answer": [True] * n}),
         ("number_images", {"problem": ["<image>1+1?"] * n, "answer": ["2"] * n, "images": list(range(n))}),
+        ("image_column", {"problem": ["<image>1+1?"] * n, "answer": ["2"] * n, "image": [b"png"] * n}),
     ]:
         pq.write_table(pa.table(columns), root / f"{name}.parquet")
     (root / "not_parquet.parquet").write_bytes(b"not a parquet file")
@@ -194,6 +195,11 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (
         ["data.train_files=ROOT/number_images.parquet"],
         "column 'images' (data.image_key) is int64, not a list of images",
+    ),
+    # the images under another name: every row was skipped for "<image> markers do not match images"
+    (
+        ["data.train_files=ROOT/image_column.parquet"],
+        "ROOT/image_column.parquet has no column 'images' (data.image_key; columns: ['problem', 'answer', 'image'])",
     ),
     # read only after the process group formed; an empty one said "no usable examples in FILE (...): "
     (
