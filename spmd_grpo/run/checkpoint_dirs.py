@@ -128,14 +128,15 @@ def saved_lora_rank(checkpoint: Path) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------ find
-def _checkpoints_inside(path: Path) -> str:
-    """For a `trainer.resume` that names a run directory or its `checkpoints/` instead of one checkpoint: the
-    checkpoints found there, as a hint ('' when none)."""
+def _not_a_checkpoint(resume: str, path: Path, missing: list[str]) -> str:
+    """Why `trainer.resume` is not a checkpoint; where it names a run directory or its `checkpoints/`
+    instead of one checkpoint, the checkpoints found there."""
+    said = f"trainer.resume={resume!r} is not a complete checkpoint: missing {', '.join(missing)}"
     found = sorted(p.name for d in (path, path / CHECKPOINTS) if d.is_dir() for p in d.glob("global_step_*"))
     if not found:
-        return ""
+        return said
     return (
-        f"; it holds {', '.join(found[-3:])}: name one of them (trainer.resume takes a global_step_N "
+        f"{said}; it holds {', '.join(found[-3:])}: name one of them (trainer.resume takes a global_step_N "
         "directory), or use trainer.resume=auto in that run directory"
     )
 
@@ -157,10 +158,7 @@ def find_checkpoint(
         path = Path(resume)
         missing = missing_parts(path)
         if missing:
-            raise ValueError(
-                f"trainer.resume={resume!r} is not a complete checkpoint: missing {', '.join(missing)}"
-                + _checkpoints_inside(path)
-            )
+            raise ValueError(_not_a_checkpoint(resume, path, missing))
         damage = damaged_parts(path, checksums=checksums)
         if damage:
             raise ValueError(f"trainer.resume={resume!r} is damaged: {'; '.join(damage)}")
