@@ -256,7 +256,9 @@ def _flag(name: str) -> bool:
 
 
 def check_tokenizer_dir(key: str, value: str) -> None:
-    """A local directory the processor is read from holds tokenizer files (a hub id is left to the hub)."""
+    """A local directory the processor is read from holds tokenizer files, and its JSON files parse (a hub id
+    is left to the hub): a truncated tokenizer.json failed in the processor's load on every rank with the
+    JSON parser's message alone, naming no file."""
     path = Path(value).expanduser()
     if not path.is_dir():
         return
@@ -264,6 +266,11 @@ def check_tokenizer_dir(key: str, value: str) -> None:
         any(all((path / name).is_file() for name in group) for group in TOKENIZER_FILES),
         f"{key}: {value!r} holds no tokenizer files (tokenizer.json, or vocab.json and merges.txt)",
     )
+    for file in sorted(path.glob("*.json")):  # tokenizer.json: ~5-10 MB for Qwen, 0.05-0.1 s to parse
+        try:
+            json.loads(file.read_bytes())
+        except ValueError as e:
+            raise ConfigError(f"{key}: {file} is not JSON ({e}): a copy or download cut short?") from None
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")

@@ -55,6 +55,8 @@ def files(tmp_path_factory) -> Path:
     (root / "truncated_weights" / "model.safetensors").write_bytes(weights[:-2])  # an interrupted download
     (root / "not_safetensors" / "model.safetensors").write_bytes(b"<html>rate limited</html>")
     (root / "bad_config" / "config.json").write_text('{"model_type": "qwen2_5_vl",}')
+    shutil.copytree(root / "model", root / "cut_tokenizer")
+    (root / "cut_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vo')
     (root / "no_weights" / "model.safetensors").unlink()
     (root / "bad_index" / "model.safetensors.index.json").write_text(
         '{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}'
@@ -259,6 +261,10 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     (
         ["worker.actor.model.model_path=ROOT/bad_config"],
         "ROOT/bad_config/config.json is not JSON (Expecting property name enclosed in double quotes: line 1",
+    ),
+    (
+        ["worker.actor.model.model_path=ROOT/cut_tokenizer"],
+        f"{A}model.model_path: ROOT/cut_tokenizer/tokenizer.json is not JSON (Unterminated string",
     ),
     (
         ["worker.actor.model.model_path=ROOT/no_template"],
