@@ -252,11 +252,11 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     ),
     (
         ["worker.actor.model.model_path=ROOT/truncated_weights"],
-        f"{A}model.model_path: ROOT/truncated_weights/model.safetensors: truncated: ",
+        f"{A}model.model_path: ROOT/truncated_weights/model.safetensors: not a readable safetensors file (Error while deserializing header: incomplete metadata",
     ),
     (
         ["worker.actor.model.model_path=ROOT/not_safetensors"],
-        f"{A}model.model_path: ROOT/not_safetensors/model.safetensors: not a safetensors file",
+        f"{A}model.model_path: ROOT/not_safetensors/model.safetensors: not a readable safetensors file (Error while deserializing header: ",
     ),
     (
         ["worker.actor.model.model_path=ROOT/bad_config"],
