@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import load_config
 from spmd_grpo.config.validate import validate
-from spmd_grpo.parallel.signals import exit_with_launcher
+from spmd_grpo.parallel.signals import QUIET_RANK_S, exit_with_launcher
 from spmd_grpo.run.preflight import preflight
 from spmd_grpo.versions import VersionError, check_versions
 
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from spmd_grpo.config.schema import Config
     from spmd_grpo.run.start import StartPlan
 
-QUIET_RANK_S = 5.0
-"""How long a rank other than 0 waits before printing its own config error (see `main`)."""
 DRY_RUN_OPTIONS = ("--nnodes", "--nproc-per-node", "--device-memory-gb")
 
 

@@ -135,7 +135,12 @@ def exit_promptly(main: Callable[[], None]) -> None:
         _hard_exit(1)
 
 
-def say_once_and_exit(line: str, rank: int, quiet_s: float = 5.0) -> None:
+QUIET_RANK_S = 5.0
+"""How long a rank other than 0 waits before saying an input error that rank 0 says too (torchrun ends the
+job after rank 0's exit, so the error is said once)."""
+
+
+def say_once_and_exit(line: str, rank: int, quiet_s: float = QUIET_RANK_S) -> None:
     """End this rank with exit code 2 (a config error's) after a problem with the user's input that every
     rank found alike (a data set gathered from every rank): rank 0 prints `line` at once; the others print
     it only if rank 0's exit has not ended them (torchrun does) within `quiet_s`, so the job says it once,

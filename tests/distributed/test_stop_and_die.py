@@ -3,6 +3,8 @@
 of collectives (tests/jobs/stop_and_die.py): a rank killed (while the other is busy without collectives) or
 failing brings the job down within 10 s with exit code 1; SIGTERM to the agent stops every rank at the next
 boundary and the job exits 128 + 15; a step that outlives the grace period is cut short with the same code.
+A data set that every rank finds unusable while loading (rows are checked after the process group forms,
+before any model) ends the job with one line and exit code 2, as a config error does.
 
 Each test prints its measured time (`pytest -s` shows it)."""
 
@@ -15,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, torchrun_command
+from tests.conftest import REPO, tiny_model, torchrun_command
 
 JOB = "tests/jobs/stop_and_die.py"
 MAX_TEARDOWN_S = 10.0  # from a rank's death to the last other rank's exit
@@ -154,3 +156,29 @@ def test_sigkilled_launcher_takes_its_ranks_along_within_seconds(tmp_path):
     print(f"\nlauncher SIGKILLed: both ranks gone {gone_after:.2f} s later")
     assert not orphans, f"ranks {orphans} still alive {gone_after:.0f} s after the launcher died"
     assert gone_after < MAX_TEARDOWN_S
+
+
+def test_a_data_set_that_cannot_be_trained_on_is_one_line_and_exit_2(tmp_path):
+    """`spmd_grpo.launch` of the real trainer on 2 ranks, a file whose every row is bad: the skipped rows are
+    named in the log, then one line, `data error: ...`, once, and exit code 2, with no traceback and no
+    failure report from torchrun (each rank printed a traceback and exited 1 before)."""
+    from spmd_grpo.data.synthetic import write_parquet
+
+    rows = [{"problem": "<image><image>two markers, one image", "answer": "1", "images": [b"x"]}] * 4
+    data = write_parquet(rows, tmp_path / "markers.parquet")
+    train = ["-m", "spmd_grpo.train", "configs/smoke.yaml", f"worker.actor.model.model_path={tiny_model()}",
+             f"data.train_files={data}", "data.val_files=null", "data.rollout_batch_size=4",
+             "worker.actor.global_batch_size=32", "worker.actor.micro_batch_size_per_device_for_update=16",
+             "worker.actor.micro_batch_size_per_device_for_experience=16",
+             f"trainer.output_dir={tmp_path}", "trainer.val_before_train=false", "trainer.val_freq=-1"]  # fmt: skip
+    cmd, env = torchrun_command(train, launcher="spmd_grpo.launch")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert f"skipped {data} row 0: <image> markers do not match images (2 markers, 1 images)" in output
+    said = [line for line in output.splitlines() if "data error" in line]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"data error: {data}: 4 of 4 rows are bad, more than data.max_bad_fraction"), (
+        said
+    )
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]

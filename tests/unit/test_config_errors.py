@@ -725,32 +725,3 @@ def test_the_launcher_says_a_config_error_once_before_starting_any_rank(files, m
     with pytest.raises(ReachedTrainer):  # the control: the valid config goes on to torchrun
         launch.main(head)
     assert capsys.readouterr().err == ""
-
-
-def test_a_data_set_that_cannot_be_trained_on_is_one_line_and_exit_2(tmp_path):
-    """Rows are checked at load (after the process group forms, before any model): a file whose every row
-    is bad ended each rank with a traceback, exit code 1 and torchrun's failure report. The real entry point,
-    one process (the process group of one rank; no model or engine is built): the skipped rows are named in
-    the log, then one line, `data error: ...`, and exit code 2."""
-    import subprocess
-
-    from spmd_grpo.data.synthetic import write_parquet
-    from tests.conftest import tiny_model
-
-    rows = [{"problem": "<image><image>two markers, one image", "answer": "1", "images": [b"x"]}] * 4
-    data = write_parquet(rows, tmp_path / "markers.parquet")
-    cmd = [sys.executable, "-m", "spmd_grpo.train", "configs/smoke.yaml", f"worker.actor.model.model_path={tiny_model()}",
-           f"data.train_files={data}", "data.val_files=null", "data.rollout_batch_size=4",
-           "worker.actor.global_batch_size=32", "worker.actor.micro_batch_size_per_device_for_update=16",
-           "worker.actor.micro_batch_size_per_device_for_experience=16",
-           f"trainer.output_dir={tmp_path}", "trainer.val_before_train=false", "trainer.val_freq=-1"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert f"skipped {data} row 0: <image> markers do not match images (2 markers, 1 images)" in proc.stderr
-    assert [line for line in lines if "data error" in line] == lines[-1:]
-    assert lines[-1].startswith(
-        f"data error: {data}: 4 of 4 rows are bad, more than data.max_bad_fraction"
-    ), lines
-    assert "Traceback" not in proc.stderr
