@@ -122,7 +122,7 @@ def _layout_lines(cfg: Config, b: Batches) -> list[str]:
     shown = groups[:2] + ([["..."]] if len(groups) > 3 else []) + groups[-1:] if len(groups) > 3 else groups
     owners = [
         f"rank {k}: prompts {k * prompts_per_rank}..{(k + 1) * prompts_per_rank - 1}"
-        for k in (0, 1, world - 1)
+        for k in sorted({0, min(1, world - 1), world - 1})  # each rank once: a world of 1 has no rank 1
     ]
     return [
         f"rollout TP groups ({len(groups)} x TP {tp}, consecutive ranks): {shown}",

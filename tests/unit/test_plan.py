@@ -28,6 +28,21 @@ def test_7b_geo3k_plan_for_4_nodes_x_8():
     assert "concurrent max-length" in plan
 
 
+@pytest.mark.parametrize(
+    "nproc, owners",
+    [
+        (1, "(rank 0: prompts 0..511);"),
+        (2, "(rank 0: prompts 0..255; rank 1: prompts 256..511);"),
+    ],
+)
+def test_the_prompt_owners_name_each_rank_of_a_small_world_once(nproc, owners):
+    """At world 1 the plan named a rank 1 and rank 0 twice; at world 2 rank 1 twice."""
+    cfg = load_config(
+        REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml", ["worker.rollout.tensor_parallel_size=1"]
+    )
+    assert owners in dry_run(cfg, nnodes=1, nproc_per_node=nproc)
+
+
 def test_fixed_count_micro_batches_are_planned_padded_to_the_longest():
     cfg = load_config(
         REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml", ["worker.actor.dynamic_batching=false"]
