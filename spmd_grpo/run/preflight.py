@@ -243,7 +243,7 @@ def check_hub_reachable(key: str, value: str, timeout_s: float = 5.0, *, kind: s
         raise ConfigError(
             f"{key}: {value!r} is not in the local Hugging Face cache and the hub is unreachable "
             f"({url.hostname}:{port}: {e.strerror or type(e).__name__}): download it where the hub is reachable "
-            "(huggingface-cli download), or give a local directory"
+            "(`hf download`), or give a local directory"
         ) from None
 
 

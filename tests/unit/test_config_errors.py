@@ -591,6 +591,8 @@ def test_an_unreachable_hub_fails_in_seconds_naming_the_key(cli, files, monkeypa
     assert code == 2 and len(lines) == 1, lines
     assert "worker.actor.model.model_path" in lines[0] and hub_id in lines[0], lines[0]
     assert f"the hub is unreachable (127.0.0.1:{port}" in lines[0], lines[0]
+    # The advice names huggingface_hub's installed CLI (`huggingface-cli` is gone since huggingface_hub 1.0).
+    assert "`hf download`" in lines[0] and (Path(sys.executable).parent / "hf").exists(), lines[0]
     snapshot = files / "hf_home" / "hub" / "models--Qwen--Qwen2.5-VL-3B-Instruct" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
