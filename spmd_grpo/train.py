@@ -1,4 +1,8 @@
-"""GRPO for Qwen-VL models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) as plain SPMD: `torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]`.
+"""GRPO and DAPO for the Qwen vision-language models (README: supported models) as plain SPMD:
+
+    torchrun [...] -m spmd_grpo.train cfg.yaml [section.key=value ...]
+    python -m spmd_grpo.train cfg.yaml [section.key=value ...] --dry-run [--nnodes N] [--nproc-per-node M]
+        [--device-memory-gb G]      # plan a job of N nodes x M devices of G GB (defaults 1, 8, 80)
 
 This entry point parses the command line, loads and validates the config against the world size from
 torchrun's environment BEFORE any process group or model exists (values, paths that must exist, the data

@@ -192,7 +192,7 @@ def fewest_nodes(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p.add_argument("--nproc-per-node", type=int, default=8)

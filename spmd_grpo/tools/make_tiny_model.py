@@ -345,7 +345,7 @@ def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     for f, default in asdict(TinyModelSpec()).items():
         flag = "--" + f.replace("_", "-")

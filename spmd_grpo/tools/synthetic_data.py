@@ -11,7 +11,7 @@ from spmd_grpo.data.synthetic import synthetic_geo3k_rows, write_parquet
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m spmd_grpo.tools.synthetic_data", description=__doc__.splitlines()[0]
+        prog="python -m spmd_grpo.tools.synthetic_data", description=__doc__.split("\n\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("make-geo3k", help="write synthetic geometry3k-schema rows to a parquet file")
