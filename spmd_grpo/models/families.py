@@ -224,7 +224,11 @@ class Family:
         transformers' routers renormalise the top-k probabilities whatever `norm_topk_prob` says; vLLM obeys
         it: `false` gives every MoE layer output scaled by the top-k mass in vLLM only."""
         if self.moe is not None and config.get("text_config", {}).get("norm_topk_prob") is False:
-            return "text_config.norm_topk_prob is false, but transformers always renormalises the top-k"
+            return (
+                "text_config.norm_topk_prob is false, but transformers always renormalises the top-k and vLLM "
+                "would not (the two would compute different models); set it to true, as the published "
+                "checkpoints do"
+            )
         return None
 
     def rollout_dtype_error(self, dtype: str, device_type: str) -> str | None:

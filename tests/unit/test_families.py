@@ -239,6 +239,8 @@ def test_a_moe_checkpoint_that_vllm_would_route_differently_is_refused(tmp_path,
         capsys.readouterr()
         .err.strip()
         .endswith(
-            "config.json: text_config.norm_topk_prob is false, but transformers always renormalises the top-k"
+            "config.json: text_config.norm_topk_prob is false, but transformers always renormalises the top-k "
+            "and vLLM would not (the two would compute different models); set it to true, as the published "
+            "checkpoints do"
         )
     )
