@@ -120,8 +120,10 @@ def check_data_source(key: str, source: str) -> None:
             + (f" (it holds {', '.join('*' + s for s in others)} files: {ONLY_PARQUET})" if others else ""),
         )
         return
+    # `data/train.parquet` has a hub id's shape, but a missing file is what it names (as a hub id it was probed
+    # for, or loaded from, the hub: a data set never meant).
     require(
-        looks_like_hub_id(source),
+        looks_like_hub_id(source) and not source.partition("@")[0].endswith(".parquet"),
         f"{key} must be a parquet file or directory, builtin:<task> or a hub id owner/name[@split], "
         f"got {source!r}: no such file or directory",
     )

@@ -163,6 +163,7 @@ T = "trainer."
 # (overrides, the key the one-line message must name); ROOT is the fixture's directory.
 FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does not look)
     (["data.train_files=ROOT/missing.parquet"], "data.train_files"),
+    (["data.train_files=data/train.parquet"], "got 'data/train.parquet': no such file"),  # no data/ here
     (["data.train_files=ROOT/empty"], "data.train_files"),
     (["data.train_files=ROOT/not_parquet.parquet"], "data.train_files"),
     # JSON lines (which EasyR1 reads): said as such, where pyarrow said "Parquet magic bytes not found"
