@@ -99,7 +99,10 @@ class SequenceBatch:
 
     @property
     def response_lengths(self) -> list[int]:
-        return self.response_mask.sum(1).long().tolist()
+        # Counted, not summed: inside the policy's forward FSDP2's mixed precision has cast the mask to
+        # param_dtype, and a bf16 sum rounds above 256 (750 ones sum to 752), which misplaced the packed
+        # sequences' boundaries and positions.
+        return self.response_mask.count_nonzero(1).tolist()
 
     def segments(self) -> tuple[list[int], list[int], list[int]]:
         """Packed: per sequence, (where its part of the row starts, where its response starts, where its

@@ -203,6 +203,18 @@ def test_packed_positions_have_a_text_row_without_which_sequences_attend_to_each
     assert (wrong[:, first:] - right[:, first:]).abs().max() > 1e-2
 
 
+def test_packed_positions_hold_when_mixed_precision_casts_the_response_mask_to_bf16(tiny):
+    """FSDP2's mixed precision casts the forward's floating inputs, the response mask among them, to
+    param_dtype. Summed in bf16, a 750-token response counted 752 and a 359-token one 360: the packed
+    row's boundaries moved (a rotary shape error when the totals differed, shifted sequences when not)."""
+    processor, policy = tiny
+    seqs = _sequences(processor, [([(56, 56)], 750), ([(84, 56)], 359), ([], 557)])
+    packed = collate(*seqs, processor.tokenizer.pad_token_id, packed=True)
+    cast = dataclasses.replace(packed, response_mask=packed.response_mask.to(torch.bfloat16))
+    assert cast.response_lengths == [750, 359, 557]
+    assert torch.equal(mrope_position_ids(policy.hf, cast), mrope_position_ids(policy.hf, packed))
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_reused_image_features_give_the_same_logprobs_and_gradients(tiny, packed):
     processor, policy = tiny
