@@ -240,10 +240,12 @@ def check_hub_reachable(key: str, value: str, timeout_s: float = 5.0, *, kind: s
     try:
         socket.create_connection((url.hostname, port), timeout=timeout_s).close()
     except OSError as e:
+        download = f"hf download {'--repo-type dataset ' if kind == 'dataset' else ''}{repo_id}"
+        local = "a local parquet file or directory" if kind == "dataset" else "a local directory"
         raise ConfigError(
             f"{key}: {value!r} is not in the local Hugging Face cache and the hub is unreachable "
             f"({url.hostname}:{port}: {e.strerror or type(e).__name__}): download it where the hub is reachable "
-            "(`hf download`), or give a local directory"
+            f"(`{download}`), or give {local}"
         ) from None
 
 

@@ -593,7 +593,8 @@ def test_an_unreachable_hub_fails_in_seconds_naming_the_key(cli, files, monkeypa
     assert "worker.actor.model.model_path" in lines[0] and hub_id in lines[0], lines[0]
     assert f"the hub is unreachable (127.0.0.1:{port}" in lines[0], lines[0]
     # The advice names huggingface_hub's installed CLI (`huggingface-cli` is gone since huggingface_hub 1.0).
-    assert "`hf download`" in lines[0] and (Path(sys.executable).parent / "hf").exists(), lines[0]
+    assert f"(`hf download {hub_id}`), or give a local directory" in lines[0], lines[0]
+    assert (Path(sys.executable).parent / "hf").exists()
     snapshot = files / "hf_home" / "hub" / "models--Qwen--Qwen2.5-VL-3B-Instruct" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
@@ -608,6 +609,8 @@ def test_an_unreachable_hub_fails_in_seconds_naming_the_key(cli, files, monkeypa
         assert lines[0].startswith(f"config error: {key}: 'hiyouga/geometry3k@test' is not in the local"), (
             lines
         )
+        advice = "(`hf download --repo-type dataset hiyouga/geometry3k`), or give a local parquet file or directory"
+        assert lines[0].endswith(advice), lines[0]
     prepared = files / "hf_home" / "datasets" / "hiyouga___geometry3k"
     prepared.mkdir(parents=True)
     with pytest.raises(ReachedTrainer):  # the control: prepared by `datasets` before, nothing to download
