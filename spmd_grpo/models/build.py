@@ -18,7 +18,11 @@ own `_init_weights`. A hub id is first resolved to its local snapshot (`*.json` 
 
 The policy keeps fp32 master weights on every device (AdamW steps on them, as verl); FSDP2's
 MixedPrecisionPolicy gathers `fsdp.param_dtype` copies (bf16 on accelerators) and reduces gradients in
-`fsdp.reduce_dtype`. The frozen reference is built directly in `worker.ref.dtype` (auto: the policy's resolved
+`fsdp.reduce_dtype`. The root unit does not cast its forward's inputs (`cast_forward_inputs=False`): the batch
+reaches the policy as collated, so the float fields that are not activations keep their values (the response
+mask, whose bf16 sum rounds above 256 tokens; Qwen2.5-VL's `second_per_grid_ts`, whose bf16 rounding moved a
+video's mrope time positions away from vLLM's float32 ones); the pixels are cast by the model's own patch
+embedding, and every inner unit (vision block, decoder layer) still casts its inputs. The frozen reference is built directly in `worker.ref.dtype` (auto: the policy's resolved
 param_dtype) and runs in that dtype: it never exists in fp32 unless asked. With the default that gives the
 same numbers as an fp32 reference cast at the all-gather (both round the same fp32 values once), at half the
 memory, and no sharded tensor is ever cast (torch_npu cannot cast sharded DTensors).
@@ -141,7 +145,8 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
             )
     for block in vision_blocks(model.hf) + decoder_layers(model.hf):
         fully_shard(block, reshard_after_forward=True, **kwargs)
-    fully_shard(model, reshard_after_forward=True, **kwargs)
+    root_mp = replace(mp, cast_forward_inputs=False)  # the batch as collated (module docstring)
+    fully_shard(model, reshard_after_forward=True, **{**kwargs, "mp_policy": root_mp})
     return model
 
 

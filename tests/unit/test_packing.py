@@ -400,3 +400,65 @@ def test_short_cpu_attention_in_bf16_is_computed_in_fp32_and_long_stays_bf16():
         want = torch.nn.functional.scaled_dot_product_attention(c(q), c(k), c(v), is_causal=True)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out, want.transpose(1, 2).to(torch.bfloat16))
+
+
+def test_the_sharded_bf16_policy_sees_the_batch_as_collated(monkeypatch):
+    """FSDP2's mixed precision casts a unit's floating inputs to param_dtype. At the root that rounded the
+    batch's float fields that are not activations: Qwen2.5-VL's `second_per_grid_ts` (2 x 61 / 120 s per
+    temporal patch: a 61-frame 30 fps clip sampled to 4 frames) became 1.015625 in bf16, so the video's
+    mrope time positions (x 4 tokens per second, truncated) left vLLM's float32 ones from the 16th temporal
+    patch on; the response mask became bf16 too. A world of one, in-process, the policy sharded as the
+    trainer shards it with param_dtype bf16; the positions computed inside its forward must equal those of
+    the collated batch."""
+    import torch.distributed as dist
+
+    from spmd_grpo.config.workers import FSDPConfig
+    from spmd_grpo.models import policy as policy_module
+    from spmd_grpo.models.build import shard_model
+    from tests.conftest import ONE_CPU_RANK
+
+    d = tiny_model()
+    processor = AutoProcessor.from_pretrained(d)
+    hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+    config, t = hf.config, 16  # temporal patches; each 2 x 2 merged tokens of a 56 x 56 frame pair
+    prompt = [
+        5,
+        config.vision_start_token_id,
+        *[config.video_token_id] * (t * 4),
+        config.vision_end_token_id,
+        7,
+    ]
+    patch_dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    seconds = torch.tensor([2 * 61 / 120], dtype=torch.float32)
+    video = {
+        "pixel_values_videos": torch.randn(t * 16, patch_dim, generator=torch.Generator().manual_seed(0)),
+        "video_grid_thw": torch.tensor([[t, 4, 4]]),
+        "second_per_grid_ts": seconds,
+    }
+    batch = collate([prompt], [[11, 12, 13]], [None], [None], processor.tokenizer.pad_token_id,
+                    video_inputs=[video], video_in_forward=True)  # fmt: skip
+    expected = mrope_position_ids(hf, batch)
+    seen = []
+
+    def spy(hf_model, inner_batch):
+        seen.append((inner_batch.second_per_grid_ts, inner_batch.response_mask.dtype))
+        return mrope_position_ids(hf_model, inner_batch)
+
+    monkeypatch.setattr(policy_module, "mrope_position_ids", spy)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = shard_model(
+            PolicyModule(hf, unsamplable_token_ids(config), chunk_size=5),
+            FSDPConfig(param_dtype="bfloat16"),
+            ONE_CPU_RANK,
+        )
+        with torch.no_grad():
+            policy(batch)
+    finally:
+        dist.destroy_process_group()
+    ((inner_seconds, mask_dtype),) = seen
+    assert inner_seconds.dtype == torch.float32 and mask_dtype == torch.float32
+    positions = mrope_position_ids(hf, dataclasses.replace(batch, second_per_grid_ts=inner_seconds))
+    assert torch.equal(positions, expected)
+    rounded = mrope_position_ids(hf, dataclasses.replace(batch, second_per_grid_ts=seconds.bfloat16()))
+    assert not torch.equal(rounded, expected)  # the control: bf16 seconds move the time axis at this length
