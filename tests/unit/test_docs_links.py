@@ -37,3 +37,9 @@ def test_relative_links_resolve(page):
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
             broken.append(f"{target}: no heading #{anchor} in {resolved.relative_to(REPO)}")
     assert not broken, f"{page.relative_to(REPO)}: {broken}"
+
+
+def test_the_readme_stays_a_guide():
+    """README.md is the user's guide, at most 300 lines; depth goes to docs/ (linked)."""
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= 300, f"README.md has {lines} lines; move the depth to docs/"
