@@ -5,7 +5,9 @@ Shapes: B sequences, L = padded length; positions [3, B, L] (temporal, height, w
 
 Each run of text tokens continues from the largest position so far + 1, each image or video placeholder run
 gets the 3-D grid of its merged patches (t, h / merge, w / merge) offset by that start, the temporal index
-scaled by `tokens_per_second x second_per_grid_ts` for Qwen2.5-VL videos (truncated to an integer). The
+scaled by `tokens_per_second x second_per_grid_ts` for Qwen2.5-VL videos (truncated to an integer; the
+product is taken in float64, as vLLM takes it: in float32, index 30 x 4 tokens/s x 0.39166665 s (2 frames at
+5.106383 fps) rounds up to 47.0 and truncates to 47 where vLLM's 46.99999809 truncates to 46). The
 difference from transformers 5.19: after a vision run, transformers continues at start + max(h, w) / merge,
 ignoring the time axis, where vLLM (and the reference code the models were trained with) continues at the
 largest position of the run + 1, which for a video is its last temporal index when that exceeds the spatial
@@ -62,7 +64,7 @@ def video_rope_index(
             assert count == t * (h // merge) * (w // merge), f"{count} pad tokens for grid {(t, h, w)}"
             axes = (torch.arange(t), torch.arange(h // merge), torch.arange(w // merge))
             index = torch.stack(torch.meshgrid(*axes, indexing="ij")).reshape(3, -1)
-            index[0] = (index[0] * scale).long()
+            index[0] = (index[0].double() * scale).long()  # vLLM's float64 product (float32 misplaced some)
             parts.append(index + start)
             start = int(parts[-1].max()) + 1
         positions[:, b, attention_mask[b].bool()] = torch.cat(parts, dim=1)

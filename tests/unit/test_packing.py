@@ -406,8 +406,8 @@ def test_the_sharded_bf16_policy_sees_the_batch_as_collated(monkeypatch):
     """FSDP2's mixed precision casts a unit's floating inputs to param_dtype. At the root that rounded the
     batch's float fields that are not activations: Qwen2.5-VL's `second_per_grid_ts` (2 x 61 / 120 s per
     temporal patch: a 61-frame 30 fps clip sampled to 4 frames) became 1.015625 in bf16, so the video's
-    mrope time positions (x 4 tokens per second, truncated) left vLLM's float32 ones from the 16th temporal
-    patch on; the response mask became bf16 too. A world of one, in-process, the policy sharded as the
+    mrope time positions (x 4 tokens per second, truncated) left vLLM's from the 32nd temporal patch on
+    (126.07 -> 125.94); the response mask became bf16 too. A world of one, in-process, the policy sharded as the
     trainer shards it with param_dtype bf16; the positions computed inside its forward must equal those of
     the collated batch."""
     import torch.distributed as dist
@@ -420,7 +420,7 @@ def test_the_sharded_bf16_policy_sees_the_batch_as_collated(monkeypatch):
     d = tiny_model()
     processor = AutoProcessor.from_pretrained(d)
     hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
-    config, t = hf.config, 16  # temporal patches; each 2 x 2 merged tokens of a 56 x 56 frame pair
+    config, t = hf.config, 32  # temporal patches; each 2 x 2 merged tokens of a 56 x 56 frame pair
     prompt = [
         5,
         config.vision_start_token_id,

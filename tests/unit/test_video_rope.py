@@ -31,6 +31,20 @@ def test_text_after_a_video_continues_after_its_last_temporal_position():
     assert hf_positions[0, 0, -2:].tolist() == [4, 5]  # transformers 5.19: start + max(h, w) / merge
 
 
+def test_the_time_scale_is_applied_in_float64_as_vllm_does():
+    """vLLM truncates index x tokens_per_second x second_per_grid_ts taken in float64; in float32 the product
+    can round up to the next integer. 2 frames per temporal patch sampled at 5.106383 fps: the processor's
+    float32 second_per_grid_ts is 0.39166665, and temporal patch 30 is at 30 x 4 x 0.39166665 = 46.99999809."""
+    config = transformers.AutoConfig.from_pretrained(tiny_model())  # 4 tokens per second, merge 2
+    seconds = torch.tensor([2 / 5.106383], dtype=torch.float32)
+    ids = torch.tensor([[5, *[config.video_token_id] * 31]])  # a video of grid (31, 2, 2): one token a patch
+    grid = torch.tensor([[31, 2, 2]])
+    positions = video_rope_index(config, ids, torch.ones_like(ids), None, grid, seconds, frames_split=False)
+    scale = float(seconds) * config.vision_config.tokens_per_second
+    assert positions[0, 0, 1:].tolist() == [1 + int(i * scale) for i in range(31)]  # vLLM's float64 rule
+    assert positions[0, 0, -1] == 1 + 46
+
+
 def test_qwen3_vl_splits_a_video_into_one_patch_runs_between_timestamps():
     config = transformers.AutoConfig.from_pretrained(tiny_model(family="qwen3_vl"))
     t, v = 5, config.video_token_id
