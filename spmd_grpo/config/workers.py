@@ -89,7 +89,9 @@ class OptimConfig:
 @dataclass(config=c.SECTION)
 class FSDPConfig:
     param_dtype: DType = "auto"
-    """auto: bfloat16 on accelerators, float32 on CPU."""
+    """auto: bfloat16 on accelerators, float32 on CPU. The policy refuses float16 (worker.ref and
+    worker.rollout take it): its backward would run in fp16 without loss scaling, where the gradient
+    underflows (torchtitan refuses fp16 too; verl scales the loss)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Gradient reduction dtype."""
     offload_params: c.Bool = False
@@ -282,3 +284,13 @@ class WorkerConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def __post_init__(self) -> None:
+        # Here and not in FSDPConfig: the reference's build reuses that section with worker.ref.dtype.
+        c.require(
+            self.actor.fsdp.param_dtype != "float16",
+            "actor.fsdp.param_dtype=float16 would train without loss scaling, which this trainer does not "
+            "implement: fp16 gradients underflow (the log-softmax's gradient to every vocabulary entry but the "
+            "sampled one is below fp16's smallest subnormal); use bfloat16 (worker.ref.dtype and "
+            "worker.rollout.dtype may stay float16)",
+        )

@@ -18,14 +18,19 @@ own `_init_weights`. A hub id is first resolved to its local snapshot (`*.json` 
 
 The policy keeps fp32 master weights on every device (AdamW steps on them, as verl); FSDP2's
 MixedPrecisionPolicy gathers `fsdp.param_dtype` copies (bf16 on accelerators) and reduces gradients in
-`fsdp.reduce_dtype`. The root unit does not cast its forward's inputs (`cast_forward_inputs=False`): the batch
-reaches the policy as collated, so the float fields that are not activations keep their values (the response
-mask, whose bf16 sum rounds above 256 tokens; Qwen2.5-VL's `second_per_grid_ts`, whose bf16 rounding moved a
-video's mrope time positions away from vLLM's float32 ones); the pixels are cast by the model's own patch
-embedding, and every inner unit (vision block, decoder layer) still casts its inputs. The frozen reference is built directly in `worker.ref.dtype` (auto: the policy's resolved
-param_dtype) and runs in that dtype: it never exists in fp32 unless asked. With the default that gives the
-same numbers as an fp32 reference cast at the all-gather (both round the same fp32 values once), at half the
-memory, and no sharded tensor is ever cast (torch_npu cannot cast sharded DTensors).
+`fsdp.reduce_dtype`. An fp16 policy is refused by the config (deviation from verl, which trains fp16 with a
+ShardedGradScaler; torchtitan refuses it too): without loss scaling the fp16 backward underflows, e.g. a
+token-mean loss over 102,400 tokens gives the log-softmax a gradient below fp16's smallest subnormal on every
+vocabulary entry but the sampled one, so the head's gradient loses those rows entirely and the hidden states'
+gradient is 7.5 % off (0.3 % in bf16). The root unit does not cast its forward's inputs
+(`cast_forward_inputs=False`): the batch reaches the policy as collated, so the float fields that are not
+activations keep their values (the response mask, whose bf16 sum rounds above 256 tokens; Qwen2.5-VL's
+`second_per_grid_ts`, whose bf16 rounding moved a video's mrope time positions away from vLLM's float32 ones);
+the pixels are cast by the model's own patch embedding, and every inner unit (vision block, decoder layer)
+still casts its inputs. The frozen reference is built directly in `worker.ref.dtype` (auto: the policy's
+resolved param_dtype) and runs in that dtype: it never exists in fp32 unless asked. With the default that
+gives the same numbers as an fp32 reference cast at the all-gather (both round the same fp32 values once), at
+half the memory, and no sharded tensor is ever cast (torch_npu cannot cast sharded DTensors).
 
 Memory at load, Qwen2.5-VL-32B (33.45B parameters: 133.8 GB in fp32, 66.9 GB in bf16) on 8 ranks:
   * before (every rank `from_pretrained(fp32).to(device)`, then `fully_shard`; the reference again): 133.8 GB

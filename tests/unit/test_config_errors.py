@@ -372,6 +372,7 @@ VALUE_ROWS = [
     ([f"{A}shared_prompt=true", f"{A}padding_free=false"], f"{A}shared_prompt=true needs padding_free"),
     ([f"{A}reuse_image_features=true", f"{R}limit_videos=1"], f"{A}reuse_image_features=true"),
     ([f"{A}old_logprobs_from_update=true", f"{A}ppo_epochs=2"], f"{A}old_logprobs_from_update=true"),
+    ([f"{A}fsdp.param_dtype=float16"], f"{A}fsdp.param_dtype=float16"),  # fp16 training, no loss scaling
     ([f"{A}ppo_epochs=0"], f"{A}ppo_epochs"),
     ([f"{A}global_batch_size=6"], f"{A}global_batch_size"),
     ([f"{A}micro_batch_size_per_device_for_update=3"], f"{A}micro_batch_size_per_device_for_update"),
