@@ -14,9 +14,10 @@ The adapter directory is what `peft.PeftModel.from_pretrained(base, OUT_DIR)` an
 The adapters are written in `--dtype` (the export's default, bfloat16, as the merged model; they are
 trained and saved in float32, so `--dtype float32` keeps them exact; PEFT and vLLM cast on load).
 
-`--merged DIR` also writes the base model with every adapter merged (`W + alpha / r * B @ A`, in fp32, then
-cast to `--dtype`) under the base checkpoint's own file layout and names, one safetensors file at a time (one
-file of the base in memory, never the whole model), plus its config and tokenizer/processor files.
+`--merged DIR` also writes the base model with every adapter merged (`W + alpha / r * B @ A`, in fp32 from the
+saved fp32 adapters, then cast to `--dtype` once: the merged weight push's computation, not one from adapters
+already rounded to `--dtype`) under the base checkpoint's own file layout and names, one safetensors file at a
+time (one file of the base in memory, never the whole model), plus its config and tokenizer/processor files.
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ def export_adapter(
     """Write the PEFT adapter directory `out` (and the merged model at `merged`, whose config, tokenizer and
     processor files `side_files(merged)` writes); see the module docstring."""
     keys = adapter_keys(ckpt)
-    tensors = {keys[k]: t.to(dtype).contiguous() for k, t in _read(ckpt, list(keys)).items()}
+    trained = {keys[k]: t for k, t in _read(ckpt, list(keys)).items()}  # float32, as trained
     lora = _lora_settings(ckpt)
     modules = write_peft_adapter(
-        tensors,
+        {k: t.to(dtype).contiguous() for k, t in trained.items()},
         out,
         rank=lora["rank"],
         alpha=lora["alpha"],
@@ -103,14 +104,14 @@ def export_adapter(
     )
     log.info(
         "exported %d adapter tensors (%d modules, rank %d) -> %s",
-        len(tensors),
+        len(trained),
         len(modules),
         lora["rank"],
         out,
     )
     if merged is not None:
         scale = lora["alpha"] / lora["rank"]
-        _write_merged(tensors, scale, src, merged, dtype)
+        _write_merged(trained, scale, src, merged, dtype)
         side_files(merged)
     return out
 

@@ -1,5 +1,6 @@
 """Reading an HF safetensors directory into (here unsharded) tensors: names, dtypes, sharded checkpoints, and
-one-line errors naming the file and the tensor. DCP runs without a process group (a world of one)."""
+one-line errors naming the file and the tensor; and writing one, the LoRA export's merged weights. DCP runs
+without a process group (a world of one)."""
 
 import json
 import warnings
@@ -132,3 +133,40 @@ def test_unknown_non_persistent_buffers_are_refused():
 
     with pytest.raises(NotImplementedError, match=r"non-persistent buffers \['table'\] of odd"):
         init_non_persistent_buffers(nn.ModuleDict({"odd": Odd()}), torch.device("cpu"))
+
+
+def test_a_bf16_merged_lora_export_merges_the_fp32_adapters_as_the_weight_push_does(tmp_path):
+    """`export --merged --dtype bfloat16` writes bf16(W + alpha / r * B @ A) from the saved fp32 adapters, the
+    merged weight push's computation (`lora.merged_weight`), bit for bit; merging adapters already rounded to
+    bf16 moved 21 % of the weights by one bf16 step here (adapter delta 0.28 of |W|). The adapter file itself
+    is in --dtype."""
+    import torch.distributed.checkpoint as dcp
+    import yaml
+    from safetensors import safe_open
+
+    from spmd_grpo.models.lora import merged_weight
+    from spmd_grpo.run.export_lora import export_adapter
+
+    base, ckpt, rank, alpha = tmp_path / "base", tmp_path / "ckpt", 8, 16.0
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 64, generator=g) * 0.02).bfloat16()
+    save_file({"model.layers.0.self_attn.q_proj.weight": w}, base / "model.safetensors")
+    a, b = torch.randn(rank, 64, generator=g) * 0.1, torch.randn(64, rank, generator=g) * 0.01
+    layer = "hf.model.language_model.layers.0.self_attn.q_proj"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        adapters = {f"{layer}.lora_A.default.weight": a, f"{layer}.lora_B.default.weight": b}
+        dcp.save({"model": adapters}, checkpoint_id=str(ckpt), no_dist=True)
+    lora = {"rank": rank, "alpha": alpha, "dropout": 0.0}
+    (ckpt / "config.yaml").write_text(yaml.safe_dump({"worker": {"actor": {"model": {"lora": lora}}}}))
+
+    out, merged = tmp_path / "adapter", tmp_path / "merged"
+    export_adapter(ckpt, out, torch.bfloat16, model_path=str(base), src=base, merged=merged)
+
+    with safe_open(str(merged / "model.safetensors"), "pt") as f:
+        got = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    assert torch.equal(got, merged_weight(w, (a, b, alpha / rank)))
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
