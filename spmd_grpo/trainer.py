@@ -252,7 +252,7 @@ class Trainer:
         # than float32 pixel values) and dropped groups are never processed.
         with timer("pixel_values"):
             attach_pixel_values(samples, self.processor.image_processor, self.sizes)
-            attach_video_inputs(samples, self.processor, self.sizes)
+            attach_video_inputs(samples, self.processor, self.sizes, self.engine.dtype)
         return samples, metrics
 
     def _generate_and_score(self, step: int, gen_batch: int, timer: Timer) -> list[Sample]:

@@ -25,9 +25,9 @@ vocabulary entry but the sampled one, so the head's gradient loses those rows en
 gradient is 7.5 % off (0.3 % in bf16). The root unit does not cast its forward's inputs
 (`cast_forward_inputs=False`): the batch reaches the policy as collated, so the float fields that are not
 activations keep their values (the response mask, whose bf16 sum rounds above 256 tokens; Qwen2.5-VL's
-`second_per_grid_ts`, whose bf16 rounding moved a video's mrope time positions away from vLLM's float32 ones);
-the pixels are cast by the model's own patch embedding, and every inner unit (vision block, decoder layer)
-still casts its inputs. The frozen reference is built directly in `worker.ref.dtype` (auto: the policy's
+`second_per_grid_ts`, which must be the value the engine reads: rounded to the rollout dtype by
+`rollout.generate.attach_video_inputs`, not to param_dtype); the pixels are cast by the model's own patch
+embedding, and every inner unit (vision block, decoder layer) still casts its inputs. The frozen reference is built directly in `worker.ref.dtype` (auto: the policy's
 resolved param_dtype) and runs in that dtype: it never exists in fp32 unless asked. With the default that
 gives the same numbers as an fp32 reference cast at the all-gather (both round the same fp32 values once), at
 half the memory, and no sharded tensor is ever cast (torch_npu cannot cast sharded DTensors).

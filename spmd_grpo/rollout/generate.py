@@ -159,13 +159,20 @@ def attach_pixel_values(samples: list[Sample], image_processor, sizes: Processor
         s.pixel_values, s.image_grid_thw = cache[id(s.prompt)]
 
 
-def attach_video_inputs(samples: list[Sample], processor, sizes: ProcessorSizes) -> None:
+def attach_video_inputs(
+    samples: list[Sample], processor, sizes: ProcessorSizes, rollout_dtype: torch.dtype
+) -> None:
     """Trainer-side inputs of prompts with videos, once per prompt and shared by its samples, from the
     processor vLLM runs with the same sizes (`sizes.processor_kwargs()`) and metadata: a prompt's
     images and videos go through one call, so `pixel_values`/`image_grid_thw` are replaced too, and the
     video's `pixel_values_videos`, `video_grid_thw` and (Qwen2.5-VL) `second_per_grid_ts` are kept. The
     call's text (one pad token per image and video) only places them; its ids are dropped (the samples'
-    prompt ids are vLLM's)."""
+    prompt ids are vLLM's).
+
+    `second_per_grid_ts` is rounded to `rollout_dtype` (held in float32): vLLM casts every floating output
+    of its processor to the engine's dtype and reads its video mrope time positions from that value, so a
+    bf16 engine places a 30 fps clip sampled to 1.016667 s per temporal patch at 1.015625 s; the trainer's
+    positions must come from the same number (from the 16th temporal patch on they differ by one)."""
     cache: dict[int, tuple] = {}
     for s in samples:
         p = s.prompt
@@ -182,9 +189,8 @@ def attach_video_inputs(samples: list[Sample], processor, sizes: ProcessorSizes)
             )
             video = {k: enc[k] for k in VIDEO_INPUTS if k in enc}
             if "second_per_grid_ts" in video:
-                video["second_per_grid_ts"] = torch.as_tensor(
-                    video["second_per_grid_ts"], dtype=torch.float32
-                )
+                seconds = torch.as_tensor(video["second_per_grid_ts"], dtype=torch.float32)
+                video["second_per_grid_ts"] = seconds.to(rollout_dtype).float()
             cache[id(p)] = (enc.get("pixel_values"), enc.get("image_grid_thw"), video)
         s.pixel_values, s.image_grid_thw, s.video_inputs = cache[id(p)]
 

@@ -205,7 +205,7 @@ def run_case(args: argparse.Namespace, world) -> None:
     def rollout(step: int):
         samples = generate(engine, prompts, sampling, step=step, tp_group=tp_group)
         attach_pixel_values(samples, processor.image_processor, sizes)
-        attach_video_inputs(samples, processor, sizes)
+        attach_video_inputs(samples, processor, sizes, engine.dtype)
         return samples
 
     # 1. Before any update: the engine (dummy weights, then the first push) and the trainer agree.

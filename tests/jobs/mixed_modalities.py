@@ -70,7 +70,7 @@ def make_samples(processor, counts: list[tuple[int, int]], rank: int) -> list[Sa
         prompt = Prompt(uid=i, prompt_token_ids=[], images=images, videos=videos)
         if videos:  # the trainer's call (`attach_video_inputs`), with the text placed in the chat
             sample = Sample(prompt, 0, [], [], [])
-            attach_video_inputs([sample], processor, sizes)
+            attach_video_inputs([sample], processor, sizes, torch.float32)
             enc = encode_with_videos(processor, images, videos, text, sizes)
         elif images:
             enc = encode(processor, images, text)

@@ -335,7 +335,7 @@ def test_packed_equals_padded_for_video_and_image_video_prompts(tiny):
         images = [Image.new("RGB", (56, 84), (90, 30 * i, 20))] * num_images
         videos = [make_video([(60 * f, 20 * i, 100) for f in range(4)], sizes.video)] * num_videos
         sample = Sample(Prompt(i, [], images=images, videos=videos), 0, [], [], [])
-        attach_video_inputs([sample], processor, sizes)
+        attach_video_inputs([sample], processor, sizes, torch.float32)
         text = f"Colors? {i}"
         if videos:
             enc = encode_with_videos(processor, images, videos, text, sizes)

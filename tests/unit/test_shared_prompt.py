@@ -83,7 +83,7 @@ def video_samples(processor) -> list[Sample]:
             samples.append(
                 Sample(prompt, i, list(ids), [(7 * g + 3 * i + j) % 300 + 20 for j in range(n)], [])
             )
-    attach_video_inputs(samples, processor, sizes)
+    attach_video_inputs(samples, processor, sizes, torch.float32)
     return samples
 
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 import transformers
 from PIL import Image
 from qwen_vl_utils import vision_process as q
@@ -185,7 +186,7 @@ def test_the_loader_the_trainer_and_vllm_get_one_set_of_sizes(processor, tmp_pat
     assert example.source.sizes is sizes
     images, videos = example.images, example.videos
     sample = Sample(Prompt(0, example.prompt_token_ids, images=images, videos=videos), 0, [], [], [])
-    attach_video_inputs([sample], processor, sizes)
+    attach_video_inputs([sample], processor, sizes, torch.float32)
     patch = sizes.factor // 2
     ((_, h, w),) = sample.image_grid_thw.tolist()
     assert (w * patch, h * patch) == images[0].size and 270000 <= images[0].width * images[0].height <= 320000
@@ -195,5 +196,36 @@ def test_the_loader_the_trainer_and_vllm_get_one_set_of_sizes(processor, tmp_pat
     assert example.num_prompt_tokens == len(example.prompt_token_ids) - 2 + merged
     # The control: a call with other image bounds (the processor's own) resizes the loader's image again.
     other = Sample(sample.prompt, 0, [], [], [])
-    attach_video_inputs([other], processor, replace(sizes, min_pixels=3136, max_pixels=262144))
+    attach_video_inputs([other], processor, replace(sizes, min_pixels=3136, max_pixels=262144), torch.float32)
     assert other.image_grid_thw.tolist() != sample.image_grid_thw.tolist()
+
+
+def test_second_per_grid_ts_is_the_value_the_engine_reads(processor, tmp_path):
+    """vLLM casts every floating output of its processor to the engine's dtype (as `BatchFeature.to(dtype)`)
+    and reads Qwen2.5-VL's video mrope time positions from that `second_per_grid_ts`: a bf16 engine places a
+    61-frame 30 fps clip sampled to 4 frames (2 x 61 / 120 = 1.016667 s per temporal patch) at 1.015625 s,
+    which moves the time positions by one from the 16th temporal patch on (x 4 tokens per second,
+    truncated). The trainer's positions must come from the engine's value: `attach_video_inputs` rounds it
+    to the rollout dtype and the batch carries it in float32."""
+    from spmd_grpo.data.samples import Prompt, Sample
+    from spmd_grpo.rollout.generate import attach_video_inputs
+
+    row = {
+        "problem": "<video>Which colour?",
+        "answer": "0",
+        "images": [],
+        "videos": [_video([RED] * 61, fps=30)],
+    }
+    path = write_parquet([row], tmp_path / "v.parquet")
+    cfg = DataConfig(train_files=str(path), max_prompt_length=1024, **SMALL)
+    sizes = processor_sizes(cfg, processor, limit_videos=1)
+    (example,) = load_dataset(cfg, processor, limit_videos=1, sizes=sizes)
+    assert example.videos[0].frames.shape[0] == 4
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        sample = Sample(Prompt(0, example.prompt_token_ids, videos=example.videos), 0, [], [], [])
+        attach_video_inputs([sample], processor, sizes, dtype)
+        seconds[dtype] = sample.video_inputs["second_per_grid_ts"]
+        assert seconds[dtype].dtype == torch.float32
+    assert seconds[torch.float32].item() == pytest.approx(2 * 61 / 120, rel=1e-6)
+    assert seconds[torch.bfloat16].item() == 1.015625  # what a bf16 engine's processor hands its model
