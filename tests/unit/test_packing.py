@@ -404,12 +404,13 @@ def test_short_cpu_attention_in_bf16_is_computed_in_fp32_and_long_stays_bf16():
 
 def test_the_sharded_bf16_policy_sees_the_batch_as_collated(monkeypatch):
     """FSDP2's mixed precision casts a unit's floating inputs to param_dtype. At the root that rounded the
-    batch's float fields that are not activations: Qwen2.5-VL's `second_per_grid_ts` (2 x 61 / 120 s per
-    temporal patch: a 61-frame 30 fps clip sampled to 4 frames) became 1.015625 in bf16, so the video's
-    mrope time positions (x 4 tokens per second, truncated) left vLLM's from the 32nd temporal patch on
-    (126.07 -> 125.94); the response mask became bf16 too. A world of one, in-process, the policy sharded as the
-    trainer shards it with param_dtype bf16; the positions computed inside its forward must equal those of
-    the collated batch."""
+    batch's float fields that are not activations: the response mask, and Qwen2.5-VL's `second_per_grid_ts`,
+    which must stay the value the engine reads (`attach_video_inputs` rounds it to the rollout dtype, not to
+    param_dtype). Here the value an fp32 engine reads, 2 x 61 / 120 s per temporal patch (a 61-frame 30 fps
+    clip sampled to 4 frames): cast to bf16 it became 1.015625, and the video's mrope time positions (x 4
+    tokens per second, truncated) moved from the 32nd temporal patch on (126.07 -> 125.94). A world of one,
+    in-process, the policy sharded as the trainer shards it with param_dtype bf16; the positions computed
+    inside its forward must equal those of the collated batch."""
     import torch.distributed as dist
 
     from spmd_grpo.config.workers import FSDPConfig
