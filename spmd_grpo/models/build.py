@@ -27,10 +27,11 @@ gradient is 7.5 % off (0.3 % in bf16). The root unit does not cast its forward's
 activations keep their values (the response mask, whose bf16 sum rounds above 256 tokens; Qwen2.5-VL's
 `second_per_grid_ts`, which must be the value the engine reads: rounded to the rollout dtype by
 `rollout.generate.attach_video_inputs`, not to param_dtype); the pixels are cast by the model's own patch
-embedding, and every inner unit (vision block, decoder layer) still casts its inputs. The frozen reference is built directly in `worker.ref.dtype` (auto: the policy's
-resolved param_dtype) and runs in that dtype: it never exists in fp32 unless asked. With the default that
-gives the same numbers as an fp32 reference cast at the all-gather (both round the same fp32 values once), at
-half the memory, and no sharded tensor is ever cast (torch_npu cannot cast sharded DTensors).
+embedding, and every inner unit (vision block, decoder layer) still casts its inputs. The frozen reference is
+built directly in `worker.ref.dtype` (auto: the policy's resolved param_dtype) and runs in that dtype: it never
+exists in fp32 unless asked. With the default that gives the same numbers as an fp32 reference cast at the
+all-gather (both round the same fp32 values once), at half the memory, and no sharded tensor is ever cast
+(torch_npu cannot cast sharded DTensors).
 
 Memory at load, Qwen2.5-VL-32B (33.45B parameters: 133.8 GB in fp32, 66.9 GB in bf16) on 8 ranks:
   * before (every rank `from_pretrained(fp32).to(device)`, then `fully_shard`; the reference again): 133.8 GB

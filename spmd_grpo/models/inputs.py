@@ -99,9 +99,8 @@ class SequenceBatch:
 
     @property
     def response_lengths(self) -> list[int]:
-        # Counted, not summed: inside the policy's forward FSDP2's mixed precision has cast the mask to
-        # param_dtype, and a bf16 sum rounds above 256 (750 ones sum to 752), which misplaced the packed
-        # sequences' boundaries and positions.
+        # Counted, not summed: the lengths hold whatever the mask's dtype (a bf16 sum rounds above 256, 750
+        # ones to 752, which misplaced the packed sequences' boundaries while FSDP2 cast the batch).
         return self.response_mask.count_nonzero(1).tolist()
 
     def segments(self) -> tuple[list[int], list[int], list[int]]:

@@ -172,7 +172,8 @@ def attach_video_inputs(
     `second_per_grid_ts` is rounded to `rollout_dtype` (held in float32): vLLM casts every floating output
     of its processor to the engine's dtype and reads its video mrope time positions from that value, so a
     bf16 engine places a 30 fps clip sampled to 1.016667 s per temporal patch at 1.015625 s; the trainer's
-    positions must come from the same number (from the 16th temporal patch on they differ by one)."""
+    positions must come from the same number (with 4 tokens per second they differ by one from the 32nd
+    temporal patch on)."""
     cache: dict[int, tuple] = {}
     for s in samples:
         p = s.prompt

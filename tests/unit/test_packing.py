@@ -204,9 +204,10 @@ def test_packed_positions_have_a_text_row_without_which_sequences_attend_to_each
 
 
 def test_packed_positions_hold_when_mixed_precision_casts_the_response_mask_to_bf16(tiny):
-    """FSDP2's mixed precision casts the forward's floating inputs, the response mask among them, to
-    param_dtype. Summed in bf16, a 750-token response counted 752 and a 359-token one 360: the packed
-    row's boundaries moved (a rotary shape error when the totals differed, shifted sequences when not)."""
+    """A response mask in bf16 (as FSDP2's root unit made it when it still cast the batch to param_dtype):
+    summed in bf16, a 750-token response counted 752 and a 359-token one 360, and the packed row's boundaries
+    moved (a rotary shape error when the totals differed, shifted sequences when not). Counted, the lengths
+    hold whatever the mask's dtype."""
     processor, policy = tiny
     seqs = _sequences(processor, [([(56, 56)], 750), ([(84, 56)], 359), ([], 557)])
     packed = collate(*seqs, processor.tokenizer.pad_token_id, packed=True)

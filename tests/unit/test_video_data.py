@@ -204,8 +204,8 @@ def test_second_per_grid_ts_is_the_value_the_engine_reads(processor, tmp_path):
     """vLLM casts every floating output of its processor to the engine's dtype (as `BatchFeature.to(dtype)`)
     and reads Qwen2.5-VL's video mrope time positions from that `second_per_grid_ts`: a bf16 engine places a
     61-frame 30 fps clip sampled to 4 frames (2 x 61 / 120 = 1.016667 s per temporal patch) at 1.015625 s,
-    which moves the time positions by one from the 16th temporal patch on (x 4 tokens per second,
-    truncated). The trainer's positions must come from the engine's value: `attach_video_inputs` rounds it
+    which moves the time positions by one from the 32nd temporal patch on (x 4 tokens per second, in
+    float64 as vLLM, truncated). The trainer's positions must come from the engine's value: `attach_video_inputs` rounds it
     to the rollout dtype and the batch carries it in float32."""
     from spmd_grpo.data.samples import Prompt, Sample
     from spmd_grpo.rollout.generate import attach_video_inputs
