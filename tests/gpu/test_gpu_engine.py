@@ -8,7 +8,7 @@
 * the process group reduces host tensors (over gloo) as well as device tensors (over nccl);
 * MoE routing replay from vLLM (`routing_replay=rollout`): vLLM returns every sample's routes and the trainer
   replays them (needs the tiny `qwen3_vl_moe` checkpoint; skipped where that family is not registered).
-Never run by this project so far (no GPU was available): the thresholds are first estimates.
+The vLLM tests have not run on a GPU (thresholds are first estimates); what has: docs/models.md, Devices.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """torchrun job: the gradient of one mini-batch must not depend on micro-batch size or world size.
 
     torchrun --nproc_per_node W tests/jobs/grad_invariance.py MODEL_DIR OUT.pt --micro 8,1 --modes token-mean,...
-        [--budgets 1,86] [--fused]
+        [--budgets 1,86] [--fused] [--device cuda]
 
 Builds the same global batch of 8 multimodal samples on every rank (fixed seeds; responses of different
 lengths, one of them empty, old/ref logprobs perturbed so clipping and KL are active), gives each rank its
@@ -36,6 +36,7 @@ from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, ModelC
 from spmd_grpo.data.samples import Prompt, Sample
 from spmd_grpo.models.build import build_policy, build_reference
 from spmd_grpo.models.families import family_of
+from spmd_grpo.models.shared_flex import shared_prompt_attention
 from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from tests.jobs.common import encode, run_job
 
@@ -136,10 +137,11 @@ def main() -> None:
     ap.add_argument("--budgets", default="", help="comma-separated token budgets (dynamic batching)")
     ap.add_argument("--fused", action="store_true", help="old logprobs from the update's forward vs a pass")
     ap.add_argument("--expert-parallel", action="store_true", help="MoE: also the policy at EP=world")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the accelerator tier (tests/gpu)")
     args = ap.parse_args()
     from transformers import AutoProcessor
 
-    world = init_distributed("cpu")
+    world = init_distributed(args.device)
     processor = AutoProcessor.from_pretrained(args.model_dir)
     actor = ActorConfig(model=ModelConfig(model_path=args.model_dir), fsdp=FSDPConfig(param_dtype="float32"))
     policy = build_policy(actor, world)
@@ -254,15 +256,17 @@ def shared_prompt_cases(policy, processor, spec: UpdateSpec, world) -> dict:
     budget = dataclasses.replace(
         spec, dynamic_batching=True, max_token_len_for_update=45, max_token_len_for_experience=45
     )
-    before = policy.padding_free, policy.shared_prompt
+    before = policy.padding_free, policy.shared_prompt, policy.hf.config._attn_implementation
     policy.padding_free = True
     for split, case in (("micro2", spec), ("budget45", budget)):
         for on in (False, True):
-            policy.shared_prompt = on
+            policy.shared_prompt = on  # with the kernel the build picks for it (flex attention on CUDA)
+            policy.hf.set_attn_implementation(shared_prompt_attention(world.device_type) if on else before[2])
             out[("shared", split, on)] = gradient(
                 policy, make_samples(processor, 256, pairs=True), case, world
             )
-    policy.padding_free, policy.shared_prompt = before
+    policy.padding_free, policy.shared_prompt, _ = before
+    policy.hf.set_attn_implementation(before[2])
     return out
 
 
