@@ -177,7 +177,7 @@ def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str) -> 
     """Whether the passes hold each group's prompt once (`worker.actor.shared_prompt`). auto: on where the
     micro-batches are packed on the CPU, whose varlen sdpa (`attention.VARLEN_SDPA`) computes the shared
     layout; off on accelerators, whose shared-prompt kernel (`shared_flex.shared_prompt_attention`: flex
-    attention with a block mask on CUDA) is checked against the CPU's on the CPU only, not yet on a GPU.
+    attention with a block mask on CUDA) has not yet passed tests/gpu on a GPU (docs/models.md, Devices).
     true: on wherever the batches are packed, with that kernel. Every family shares: a mixture-of-experts
     model's routes are laid out, recorded and replayed per token of the shared row (actor/routes.py), a
     hybrid model's linear-attention layers run each prompt once and seed its responses with its final state

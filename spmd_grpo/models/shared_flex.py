@@ -30,12 +30,13 @@ sdpa over [prompt keys; own keys]):
     and per (P, Rq), with an explicit mask, which rules out the flash kernel inside torch's sdpa).
 
 Where it runs: `shared_prompt_attention` picks it on CUDA, compiled (`torch.compile(flex_attention,
-dynamic=True)`, meant to compile once for all row lengths; no GPU has run it in this project:
-tests/gpu/test_gpu_shared_prompt.py checks it against the gathered sdpa and times both). On the CPU torch runs flex attention's forward
-unfused (the full score matrix) and refuses its backward, so the CPU keeps `attention.VARLEN_SDPA`; the
-CPU tests run this function's forward for real and its backward through torch's reference (math)
-implementation. torch_npu has no flex kernel: Ascend keeps the gathered sdpa. Calls without text positions
-(the vision tower) or with an attention mask (a padded batch) go to transformers' sdpa unchanged.
+dynamic=True)`, meant to compile once for all row lengths; tests/gpu/test_gpu_shared_prompt.py measures it
+and the gathered sdpa against float64 and times both; docs/models.md, Devices, says what has run on a GPU).
+On the CPU torch runs flex attention's forward unfused (the full score matrix) and refuses its backward, so
+the CPU keeps `attention.VARLEN_SDPA`; the CPU tests run this function's forward for real and its backward
+through torch's reference (math) implementation. torch_npu has no flex kernel: Ascend keeps the gathered
+sdpa. Calls without text positions (the vision tower) or with an attention mask (a padded batch) go to
+transformers' sdpa unchanged.
 """
 
 from __future__ import annotations
