@@ -39,15 +39,19 @@ def _errors(out, ref) -> tuple[float, float, float]:
 
 @contextmanager
 def _torch_delta_rule():
-    """transformers' torch Gated DeltaNet function (float64 runs) in place of flash-linear-attention's kernel."""
+    """transformers' torch Gated DeltaNet functions (chunked, and recurrent for one-token continuations) in
+    place of flash-linear-attention's kernels, for the float64 runs."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
 
-    kernel = qwen3_5_moe.torch_chunk_gated_delta_rule
-    qwen3_5_moe.torch_chunk_gated_delta_rule = inspect.unwrap(kernel)
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    kernels = {name: getattr(qwen3_5_moe, name) for name in names}
+    for name, kernel in kernels.items():
+        setattr(qwen3_5_moe, name, inspect.unwrap(kernel))
     try:
         yield
     finally:
-        qwen3_5_moe.torch_chunk_gated_delta_rule = kernel
+        for name, kernel in kernels.items():
+            setattr(qwen3_5_moe, name, kernel)
 
 
 def _against_float64(policy, exact, runs: dict, reference) -> dict:
