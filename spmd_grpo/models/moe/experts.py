@@ -71,13 +71,17 @@ def sort_by_expert(
 
 
 def combine(rows: torch.Tensor, sorted_tokens: SortedTokens) -> torch.Tensor:
-    """Expert outputs [N, H] in expert order -> [T, H]: each row times its routing weight, summed per token
-    in fp32, returned in the rows' dtype."""
-    weighted = rows.float() * sorted_tokens.weights.float()[:, None]
+    """Expert outputs [N, H] in expert order -> [T, H], in the rows' dtype: each token's K rows back in token
+    order, weighted by their routing weights and summed by one batched matmul ([T, 1, K] x [T, K, H]) in the
+    wider of the two dtypes. The matmul accumulates in fp32, and a product of two bf16 values is exact in
+    fp32, so a bf16 result is the fp32 sum of the exact products rounded once, as multiplying in fp32 and
+    summing would give up to the order of the additions, without an fp32 copy of all N rows."""
     inverse = torch.empty_like(sorted_tokens.order)
     inverse[sorted_tokens.order] = torch.arange(inverse.numel(), device=inverse.device)
-    t = sorted_tokens.num_tokens
-    return weighted[inverse].view(t, -1, rows.shape[-1]).sum(1).to(rows.dtype)
+    t, dtype = sorted_tokens.num_tokens, torch.promote_types(rows.dtype, sorted_tokens.weights.dtype)
+    gathered = rows[inverse].view(t, -1, rows.shape[-1]).to(dtype)
+    weights = sorted_tokens.weights[inverse].view(t, 1, -1).to(dtype)
+    return torch.bmm(weights, gathered).squeeze(1).to(rows.dtype)
 
 
 @cache
