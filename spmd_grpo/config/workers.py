@@ -20,7 +20,7 @@ import spmd_grpo.config.checks as c
 LORA_ALL_LINEAR = "all-linear"
 Auto = c.Bool | Literal["auto"]
 ModuleName = Annotated[
-    c.Str,
+    str,
     c.rule(
         lambda n: bool(n) and all(p.isidentifier() or p.isdigit() for p in n.split(".")),
         "is not a module name (a.b.c)",
@@ -57,9 +57,9 @@ class LoRAConfig:
 
 @dataclass(config=c.SECTION)
 class ModelConfig:
-    model_path: c.Str = ""
+    model_path: str = ""
     """Local directory or HF hub id of a checkpoint of a supported family (README: supported models)."""
-    tokenizer_path: c.Str | None = None
+    tokenizer_path: str | None = None
     """Where the processor (tokenizer + image processor) comes from; None: model_path."""
     trust_remote_code: c.Bool = False
     """Passed to transformers (config, processor) and to vLLM: allow code shipped with the checkpoint."""
@@ -268,7 +268,7 @@ def _reward_spec(spec: str) -> bool:
 @dataclass(config=c.SECTION)
 class RewardConfig:
     reward_function: Annotated[
-        c.Str,
+        str,
         c.rule(_reward_spec, f"must be one of {', '.join(c.BUILTIN_REWARDS)} or path/to/file.py:function"),
     ] = "math"
     """`math` (geometry3k accuracy + format), `color` (the smoke task), or `path/file.py:fn` (README)."""
