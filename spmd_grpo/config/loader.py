@@ -45,19 +45,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             parsed = yaml.load(value, Loader=_StrictLoader) if value else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: value {value!r} is not valid YAML: {_one_line(e)}") from None
-        for leaf, leaf_value in _leaves(key, parsed):
-            if leaf_value is None and dataclasses.is_dataclass(section_type(leaf)):
-                raise ConfigError(
-                    f"override {item!r}: {leaf} is a section: give it a mapping ({leaf}={{key: value}}) or set "
-                    f"its keys one by one ({leaf}.key=value), not null (that would reset its keys to the defaults)"
-                )
-            if leaf in given:
-                raise ConfigError(
-                    f"command line: {leaf} is set twice ({given[leaf]!r}, then {item!r}); a key may be "
-                    "given once, as in a YAML section"
-                )
-            given[leaf] = item
-        _set_dotted(raw, key.split("."), parsed)
+        _override(raw, key, parsed, item, given)
     try:
         return TypeAdapter(Config).validate_python(raw)
     except ValidationError as e:
@@ -124,26 +112,30 @@ def _drop_empty_sections(raw: dict, prefix: str) -> None:
             _drop_empty_sections(value, f"{prefix}{key}.")
 
 
-def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
-    """The dotted keys an override sets, with their values: its own, or those of the mapping it gives."""
-    if not isinstance(value, dict):
-        return [(dotted, value)]
-    return [leaf for k, v in value.items() for leaf in _leaves(f"{dotted}.{k}", v)]
-
-
-def _set_dotted(node: dict, parts: list[str], value: Any) -> None:
-    """Set the key `parts` in `node`; a mapping merges into the section already there (the keys it does
-    not name keep their YAML or earlier values)."""
-    for i, part in enumerate(parts[:-1]):
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a section")
-    key = parts[-1]
-    if isinstance(value, dict) and isinstance(node.get(key), dict):
+def _override(raw: dict, dotted: str, value: Any, item: str, given: dict[str, str]) -> None:
+    """Set `dotted` in `raw` to `value` of the override `item`; a mapping merges into the section key by key
+    (the keys it does not name keep their YAML or earlier values). `given`: the keys set so far."""
+    if isinstance(value, dict):
         for k, v in value.items():
-            _set_dotted(node[key], [k], v)
-    else:
-        node[key] = value
+            _override(raw, f"{dotted}.{k}", v, item, given)
+        return
+    if value is None and dataclasses.is_dataclass(section_type(dotted)):
+        raise ConfigError(
+            f"override {item!r}: {dotted} is a section: give it a mapping ({dotted}={{key: value}}) or set "
+            f"its keys one by one ({dotted}.key=value), not null (that would reset its keys to the defaults)"
+        )
+    if dotted in given:
+        raise ConfigError(
+            f"command line: {dotted} is set twice ({given[dotted]!r}, then {item!r}); a key may be "
+            "given once, as in a YAML section"
+        )
+    given[dotted] = item
+    *parents, key = dotted.split(".")
+    for i, part in enumerate(parents):
+        raw = raw.setdefault(part, {})
+        if not isinstance(raw, dict):
+            raise ConfigError(f"override {dotted}: {'.'.join(parents[: i + 1])} is not a section")
+    raw[key] = value
 
 
 def _walk(loc: tuple | list) -> tuple[str, Any]:
