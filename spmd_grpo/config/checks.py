@@ -21,8 +21,8 @@ class ConfigError(ValueError):
 
 C_INT_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
-SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-"""Every section: unknown keys refused, immutable, each field's docstring is its description."""
+SECTION = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
+"""Every section: unknown keys refused, immutable, floats finite, each field's docstring its description."""
 
 
 def require(ok: bool, message: str) -> None:
@@ -48,12 +48,7 @@ def _numeric_string(value: Any) -> Any:
 
 
 Int = Annotated[int, Strict(), Field(ge=-C_INT_MAX - 1, le=C_INT_MAX)]
-Float = Annotated[
-    float,
-    Strict(),
-    Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX),
-    BeforeValidator(_numeric_string),
-]
+Float = Annotated[float, Strict(), Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX), BeforeValidator(_numeric_string)]
 Bool = Annotated[bool, Strict()]
 NonEmpty = Annotated[str, rule(lambda v: v.strip() != "", "must be a non-empty string")]
 Positive = Annotated[Int, Field(gt=0)]

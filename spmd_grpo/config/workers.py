@@ -22,8 +22,7 @@ Auto = c.Bool | Literal["auto"]
 ModuleName = Annotated[
     str,
     c.rule(
-        lambda n: bool(n) and all(p.isidentifier() or p.isdigit() for p in n.split(".")),
-        "is not a module name (a.b.c)",
+        lambda n: all(p.isidentifier() or p.isdigit() for p in n.split(".")), "is not a module name (a.b.c)"
     ),
 ]
 Beta = Annotated[c.Float, Field(ge=0, lt=1)]
@@ -89,9 +88,8 @@ class OptimConfig:
 @dataclass(config=c.SECTION)
 class FSDPConfig:
     param_dtype: DType = "auto"
-    """auto: bfloat16 on accelerators, float32 on CPU. The policy refuses float16 (worker.ref and
-    worker.rollout take it): its backward would run in fp16 without loss scaling, where the gradient
-    underflows (torchtitan refuses fp16 too; verl scales the loss)."""
+    """auto: bfloat16 on accelerators, float32 on CPU. float16 is refused (worker.ref and worker.rollout take
+    it): there is no loss scaling, without which fp16 gradients underflow (torchtitan refuses it too)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Gradient reduction dtype."""
     offload_params: c.Bool = False
@@ -253,7 +251,7 @@ class RolloutConfig:
 class RefConfig:
     """The frozen reference model for the KL loss (built only with algorithm.use_kl_loss)."""
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: DType = "auto"
     """The reference's dtype; auto: worker.actor.fsdp.param_dtype resolved (the numbers of an fp32 copy cast
     at the all-gather, at half the memory)."""
     offload_params: c.Bool = False
