@@ -1,7 +1,4 @@
-"""The top-level sections (`data`, `algorithm`, `trainer`) and the root `Config`, as frozen pydantic
-dataclasses: types and ranges on the fields (`checks` as `c`), each field's docstring its documentation
-(`make docs` writes docs/configuration.md from them), a rule between fields of one section in its
-`__post_init__`.
+"""The top-level sections (`data`, `algorithm`, `trainer`) and the root `Config` (field types: `checks` as `c`).
 
 Section names follow EasyR1/verl. Deviations from EasyR1's schema: `algorithm.norm_adv_by_std_in_grpo` is
 verl's name (with a third value, `batch`); DAPO's switches live under `algorithm.filter_groups` and
