@@ -156,15 +156,13 @@ def section_type(dotted: str) -> Any:
     return tp if key == dotted else None
 
 
-def all_keys(cls: type = Config, prefix: str = "", sections: bool = False) -> list[str]:
-    """Every dotted leaf key of the schema, in declaration order (and every section's, with `sections`)."""
-    out = []
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema, in declaration order."""
+    keys = []
     for name, info in cls.__pydantic_fields__.items():
-        if dataclasses.is_dataclass(info.annotation):
-            out += [f"{prefix}{name}"] * sections + all_keys(info.annotation, f"{prefix}{name}.", sections)
-        else:
-            out.append(f"{prefix}{name}")
-    return out
+        tp = info.annotation
+        keys += all_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
+    return keys
 
 
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
@@ -219,9 +217,16 @@ def describe_type(tp: Any) -> str:
 
 
 def _suggest(dotted: str) -> str:
-    """The closest valid key or section (a key of the same section is closest by its shared prefix)."""
-    close = difflib.get_close_matches(dotted, all_keys(sections=True), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
+    """Closest valid key: among this section's keys first, then among every dotted key of the schema."""
+    prefix, _, key = dotted.rpartition(".")
+    section = section_type(prefix) if prefix else Config
+    local = (
+        difflib.get_close_matches(key, list(section.__pydantic_fields__), n=1, cutoff=0.6) if section else []
+    )
+    if local:
+        return f"; did you mean {prefix + '.' if prefix else ''}{local[0]}?"
+    everywhere = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6)
+    return f"; did you mean {everywhere[0]}?" if everywhere else ""
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
