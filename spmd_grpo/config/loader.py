@@ -115,7 +115,13 @@ def _drop_empty_sections(raw: dict, prefix: str) -> None:
 def _override(raw: dict, dotted: str, value: Any, item: str, given: dict[str, str]) -> None:
     """Set `dotted` in `raw` to `value` of the override `item`; a mapping merges into the section key by key
     (the keys it does not name keep their YAML or earlier values). `given`: the keys set so far."""
-    if isinstance(value, dict):
+    *parents, key = dotted.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {'.'.join(parents[: i + 1])} is not a section")
+    if isinstance(value, dict) and isinstance(node.setdefault(key, {}), dict):
         for k, v in value.items():
             _override(raw, f"{dotted}.{k}", v, item, given)
         return
@@ -130,12 +136,7 @@ def _override(raw: dict, dotted: str, value: Any, item: str, given: dict[str, st
             "given once, as in a YAML section"
         )
     given[dotted] = item
-    *parents, key = dotted.split(".")
-    for i, part in enumerate(parents):
-        raw = raw.setdefault(part, {})
-        if not isinstance(raw, dict):
-            raise ConfigError(f"override {dotted}: {'.'.join(parents[: i + 1])} is not a section")
-    raw[key] = value
+    node[key] = value
 
 
 def _walk(loc: tuple | list) -> tuple[str, Any]:
