@@ -226,8 +226,6 @@ class TrainerConfig:
 
 @dataclass(config=c.SECTION)
 class Config:
-    """The whole configuration, one field per top-level YAML section."""
-
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)

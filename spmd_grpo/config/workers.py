@@ -276,8 +276,6 @@ class RewardConfig:
 
 @dataclass(config=c.SECTION)
 class WorkerConfig:
-    """EasyR1's worker roles: the trained policy, the vLLM rollout, the reference model, the reward."""
-
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
