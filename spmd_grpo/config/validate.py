@@ -72,8 +72,13 @@ def _check_across_sections(cfg: Config) -> None:
         "worker.actor.reuse_image_features=true needs worker.rollout.limit_videos=0 (transformers takes "
         "precomputed features for all modalities of a forward or none); auto turns it on where it applies",
     )
+    on_policy = (  # one mini-batch, one epoch, no rejection: the update's first forward is the old policy's
+        a.global_batch_size == cfg.num_train_groups * cfg.worker.rollout.n
+        and a.ppo_epochs == 1
+        and cfg.algorithm.rollout_correction.rollout_rs is None
+    )
     require(
-        a.old_logprobs_from_update is not True or _on_policy(cfg),
+        a.old_logprobs_from_update is not True or on_policy,
         "worker.actor.old_logprobs_from_update=true needs an exactly on-policy step: one mini-batch "
         "(worker.actor.global_batch_size = data.rollout_batch_size * worker.rollout.n), ppo_epochs 1 and no "
         "algorithm.rollout_correction.rollout_rs; auto takes them from the update where that holds",
@@ -84,16 +89,6 @@ def _check_across_sections(cfg: Config) -> None:
         or fg.metric in BUILTIN_REWARD_KEYS,
         f"algorithm.filter_groups.metric must be one of {', '.join(BUILTIN_REWARD_KEYS)} with the built-in "
         f"reward {cfg.worker.reward.reward_function!r}, got {fg.metric!r}",
-    )
-
-
-def _on_policy(cfg: Config) -> bool:
-    """One mini-batch, one epoch, no rejection: the update's first forward is the old policy's."""
-    a = cfg.worker.actor
-    return (
-        a.global_batch_size == cfg.num_train_groups * cfg.worker.rollout.n
-        and a.ppo_epochs == 1
-        and cfg.algorithm.rollout_correction.rollout_rs is None
     )
 
 
