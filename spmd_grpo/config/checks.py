@@ -8,7 +8,6 @@ never a number.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -22,8 +21,8 @@ class ConfigError(ValueError):
 
 C_INT_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
-SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-"""Every section: unknown keys refused, immutable, each field's docstring is its description."""
+SECTION = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
+"""Every section: unknown keys refused, immutable, floats finite, each field's docstring its description."""
 
 
 def require(ok: bool, message: str) -> None:
@@ -31,36 +30,27 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def rule(test: Callable[[Any], bool], message: str, before: bool = False) -> Any:
+def rule(test: Callable[[Any], bool], message: str) -> AfterValidator:
     """A validator refusing a value that fails `test` with `message` (pydantic adds the key)."""
 
     def check(value: Any) -> Any:
         require(test(value), message)
         return value
 
-    return BeforeValidator(check) if before else AfterValidator(check)
+    return AfterValidator(check)
+
+
+def _numeric_string(value: Any) -> Any:
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value  # pydantic names the type
 
 
 Int = Annotated[int, Strict(), Field(ge=-C_INT_MAX - 1, le=C_INT_MAX)]
-
-
-def _float32(value: Any) -> Any:
-    require(not isinstance(value, bool), "expected a number, got a bool")
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            return value  # pydantic names the type
-    if isinstance(value, float):
-        require(math.isfinite(value), "must be a finite number")
-        require(abs(value) <= FLOAT32_MAX, f"is beyond float32 (|x| <= {FLOAT32_MAX:.4g})")
-    return value
-
-
-Float = Annotated[float, BeforeValidator(_float32)]
+Float = Annotated[float, Strict(), Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX), BeforeValidator(_numeric_string)]
 Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
-NonEmpty = Annotated[Str, rule(lambda v: bool(v.strip()), "must be a non-empty string")]
+NonEmpty = Annotated[str, rule(lambda v: v.strip() != "", "must be a non-empty string")]
 Positive = Annotated[Int, Field(gt=0)]
 NonNegative = Annotated[Int, Field(ge=0)]
 OffOrPositive = Annotated[Int, rule(lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1")]
@@ -74,6 +64,8 @@ TopP = Annotated[Float, Field(gt=0, le=1)]
 
 BUILTIN_REWARDS = ("math", "color")
 """The reward names `spmd_grpo.algorithm.reward` resolves itself (the rest must be `path/file.py:function`)."""
+BUILTIN_REWARD_KEYS = ("overall", "accuracy", "format")
+"""The keys the built-in rewards return (what algorithm.filter_groups.metric may name with them)."""
 BUILTIN_DATASETS = ("color", "geo3k", "video_color")
 """The `builtin:<task>` data sets `spmd_grpo.data.synthetic` generates."""
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\[\]:%+-]+)?$")

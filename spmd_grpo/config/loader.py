@@ -5,7 +5,7 @@ What pydantic does not do is here: a key repeated in one YAML mapping or on the 
 line (`worker.actor.optim={weight_decay: 0.0}`) merges into it, as Hydra/OmegaConf merge; `null` for a
 section is refused at any depth of an override (it would reset the section's keys to their defaults) and
 means "the defaults" for an empty section in the file; pydantic's errors become one line naming the dotted
-key, an unknown key with the closest valid one. `dump_yaml` writes the resolved config back.
+key, an unknown key with the closest valid one, a removed option with what replaces it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,13 @@ from pydantic import TypeAdapter, ValidationError
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.schema import Config
 
-MOVED = {"algorithm.adv_std_scope": "its `batch` is now algorithm.norm_adv_by_std_in_grpo=batch"}
-"""Keys that were removed, with what replaces them."""
+MOVED = {
+    "algorithm.adv_std_scope": "its `batch` is now algorithm.norm_adv_by_std_in_grpo=batch",
+    "algorithm.adv_estimator=drgrpo": "Dr.GRPO is GRPO without the std division: set "
+    "algorithm.norm_adv_by_std_in_grpo=false (verl's key), with "
+    "worker.actor.loss_agg_mode=seq-mean-token-sum-norm for its loss",
+}
+"""Keys and values that were removed, with what replaces them."""
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -40,19 +45,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             parsed = yaml.load(value, Loader=_StrictLoader) if value else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: value {value!r} is not valid YAML: {_one_line(e)}") from None
-        for leaf, leaf_value in _leaves(key, parsed):
-            if leaf_value is None and dataclasses.is_dataclass(section_type(leaf)):
-                raise ConfigError(
-                    f"override {item!r}: {leaf} is a section: give it a mapping ({leaf}={{key: value}}) or set "
-                    f"its keys one by one ({leaf}.key=value), not null (that would reset its keys to the defaults)"
-                )
-            if leaf in given:
-                raise ConfigError(
-                    f"command line: {leaf} is set twice ({given[leaf]!r}, then {item!r}); a key may be "
-                    "given once, as in a YAML section"
-                )
-            given[leaf] = item
-        _set_dotted(raw, key.split("."), parsed)
+        _override(raw, key, parsed, item, given)
     try:
         return TypeAdapter(Config).validate_python(raw)
     except ValidationError as e:
@@ -119,59 +112,70 @@ def _drop_empty_sections(raw: dict, prefix: str) -> None:
             _drop_empty_sections(value, f"{prefix}{key}.")
 
 
-def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
-    """The dotted keys an override sets, with their values: its own, or those of the mapping it gives."""
-    if not isinstance(value, dict):
-        return [(dotted, value)]
-    return [leaf for k, v in value.items() for leaf in _leaves(f"{dotted}.{k}", v)]
-
-
-def _set_dotted(node: dict, parts: list[str], value: Any) -> None:
-    """Set the key `parts` in `node`; a mapping merges into the section already there (the keys it does
-    not name keep their YAML or earlier values)."""
-    for i, part in enumerate(parts[:-1]):
+def _override(raw: dict, dotted: str, value: Any, item: str, given: dict[str, str]) -> None:
+    """Set `dotted` in `raw` to `value` of the override `item`; a mapping merges into the section key by key
+    (the keys it does not name keep their YAML or earlier values). `given`: the keys set so far."""
+    *parents, key = dotted.split(".")
+    node = raw
+    for i, part in enumerate(parents):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a section")
-    key = parts[-1]
-    if isinstance(value, dict) and isinstance(node.get(key), dict):
+            raise ConfigError(f"override {dotted}: {'.'.join(parents[: i + 1])} is not a section")
+    if isinstance(value, dict) and isinstance(node.setdefault(key, {}), dict):
         for k, v in value.items():
-            _set_dotted(node[key], [k], v)
-    else:
-        node[key] = value
+            _override(raw, f"{dotted}.{k}", v, item, given)
+        return
+    if value is None and dataclasses.is_dataclass(section_type(dotted)):
+        raise ConfigError(
+            f"override {item!r}: {dotted} is a section: give it a mapping ({dotted}={{key: value}}) or set "
+            f"its keys one by one ({dotted}.key=value), not null (that would reset its keys to the defaults)"
+        )
+    if dotted in given:
+        raise ConfigError(
+            f"command line: {dotted} is set twice ({given[dotted]!r}, then {item!r}); a key may be "
+            "given once, as in a YAML section"
+        )
+    given[dotted] = item
+    node[key] = value
 
 
-def _fields(cls: type) -> dict[str, Any]:
-    """A section's field name -> annotation (pydantic's, with `from __future__` strings resolved)."""
-    return {name: info.annotation for name, info in cls.__pydantic_fields__.items()}
+def _walk(loc: tuple | list) -> tuple[str, Any]:
+    """The longest prefix of `loc` (pydantic's error location, a dotted key's parts) naming schema keys, as a
+    dotted key, and the type there (None: an unknown key); a list index or a union's tag ends it."""
+    names, tp = [], Config
+    for part in loc:
+        if not dataclasses.is_dataclass(tp) or not isinstance(part, str):
+            break
+        names.append(part)
+        tp = tp.__pydantic_fields__[part].annotation if part in tp.__pydantic_fields__ else None
+    return ".".join(names), tp
 
 
 def section_type(dotted: str) -> Any:
     """The schema type at `dotted` (a section's dataclass, a leaf's annotation); None for an unknown key."""
-    tp: Any = Config
-    for part in dotted.split("."):
-        tp = _fields(tp).get(part) if dataclasses.is_dataclass(tp) else None
-    return tp
+    key, tp = _walk(dotted.split("."))
+    return tp if key == dotted else None
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted leaf key of the schema, in declaration order."""
-    return [
-        key
-        for name, tp in _fields(cls).items()
-        for key in (all_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"])
-    ]
+    keys = []
+    for name, info in cls.__pydantic_fields__.items():
+        tp = info.annotation
+        keys += all_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
+    return keys
 
 
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+_TELLING = ("finite_number", *_BOUNDS, "value_error", "too_short")
+"""Of a value's errors (a union gives one per alternative), the most telling first."""
 
 
 def _message(errors: list[dict]) -> str:
-    """The first key's error as one line naming the dotted key (a union's alternatives become one line)."""
-    key, leaf = _key(errors[0]["loc"])
-    same = [e for e in errors if _key(e["loc"])[0] == key]
-    order = (*_BOUNDS, "value_error", "too_short")  # the most telling of a value's errors
-    err = min(same, key=lambda e: order.index(e["type"]) if e["type"] in order else len(order))
+    """The first key's error as one line naming the dotted key."""
+    key, leaf = _walk(errors[0]["loc"])
+    same = [e for e in errors if _walk(e["loc"])[0] == key]
+    err = min(same, key=lambda e: _TELLING.index(e["type"]) if e["type"] in _TELLING else len(_TELLING))
     kind, value, ctx = err["type"], err.get("input"), err.get("ctx", {})
     index = err["loc"][key.count(".") + 1 :]
     got = "" if isinstance(value, list | tuple) and kind == "value_error" else f", got {value!r}"
@@ -181,30 +185,21 @@ def _message(errors: list[dict]) -> str:
             if key in MOVED
             else f"unknown config key {key}{_suggest(key)}"
         )
+    if f"{key}={value}" in MOVED:
+        return f"{key}={value} was removed: {MOVED[f'{key}={value}']}"
     if dataclasses.is_dataclass(leaf):  # a section's own rule names its field; anything else is not a mapping
         if kind == "value_error":
             return f"{key + '.' if key else ''}{ctx['error']}"
         return f"{key}: expected a section (mapping), got {type(value).__name__} {value!r}"
-    if kind == "value_error":
-        return f"{key}: {ctx['error']}{got}"
     if kind in _BOUNDS:
         return f"{key} must be {_BOUNDS[kind]} {next(iter(ctx.values()))}{got}"
     if kind == "too_short":
         return f"{key} must not be empty{got}"
+    if kind in ("value_error", "finite_number"):
+        return f"{key}: {ctx['error'] if ctx else 'must be a finite number'}{got}"
     if index and isinstance(index[0], int) and kind != "missing":  # a list's element: pydantic's words
         return f"{key}[{index[0]}]: {err['msg'][0].lower()}{err['msg'][1:]}{got}"
     return f"{key}: expected {describe_type(leaf)}, got {type(value).__name__} {value!r}"
-
-
-def _key(loc: tuple) -> tuple[str, Any]:
-    """pydantic's location -> (dotted key, its schema type); list indices and union tags are dropped."""
-    parts, tp = [], Config
-    for part in loc:
-        if not dataclasses.is_dataclass(tp) or not isinstance(part, str):
-            break
-        parts.append(part)
-        tp = _fields(tp).get(part)
-    return ".".join(parts), tp
 
 
 def describe_type(tp: Any) -> str:
@@ -226,7 +221,9 @@ def _suggest(dotted: str) -> str:
     """Closest valid key: among this section's keys first, then among every dotted key of the schema."""
     prefix, _, key = dotted.rpartition(".")
     section = section_type(prefix) if prefix else Config
-    local = difflib.get_close_matches(key, list(_fields(section)), n=1, cutoff=0.6) if section else []
+    local = (
+        difflib.get_close_matches(key, list(section.__pydantic_fields__), n=1, cutoff=0.6) if section else []
+    )
     if local:
         return f"; did you mean {prefix + '.' if prefix else ''}{local[0]}?"
     everywhere = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6)

@@ -1,7 +1,4 @@
-"""The top-level sections (`data`, `algorithm`, `trainer`) and the root `Config`, as frozen pydantic
-dataclasses: types and ranges on the fields (`checks` as `c`), each field's docstring its documentation
-(`make docs` writes docs/configuration.md from them), a rule between fields of one section in its
-`__post_init__`.
+"""The top-level sections (`data`, `algorithm`, `trainer`) and the root `Config` (field types: `checks` as `c`).
 
 Section names follow EasyR1/verl. Deviations from EasyR1's schema: `algorithm.norm_adv_by_std_in_grpo` is
 verl's name (with a third value, `batch`); DAPO's switches live under `algorithm.filter_groups` and
@@ -31,8 +28,6 @@ DataSource = Annotated[
         f"unknown builtin data set; available: {BUILTINS}",
     ),
 ]
-VideoInt = Annotated[c.Int, Field(gt=0)] | None
-VideoFloat = Annotated[c.Float, Field(gt=0)] | None
 
 
 @dataclass(config=c.SECTION)
@@ -47,9 +42,9 @@ class DataConfig:
     """Column of the ground truth."""
     image_key: c.NonEmpty = "images"
     """Column of the images (list of `{bytes, path}`); a file without it has text-only rows."""
-    format_prompt: c.Str | None = None
+    format_prompt: str | None = None
     """A jinja file rendering `content` (the problem) into the user message; None: the problem as is."""
-    system_prompt: c.Str | None = None
+    system_prompt: str | None = None
     """A system message before the user turn (a special token in it is an error at load)."""
     max_prompt_length: c.Positive = 512
     """Prompt tokens after image-token expansion; longer prompts are filtered at load, never truncated."""
@@ -68,17 +63,17 @@ class DataConfig:
     video_key: c.NonEmpty = "videos"
     """Column of the videos (file paths or encoded bytes), one `<video>` marker each in the problem. Frames are
     sampled and resized by qwen-vl-utils' rules with the keys below (None: its default for the model)."""
-    video_fps: VideoFloat = None
+    video_fps: c.PositiveFloat | None = None
     """Frames sampled per second (qwen_vl_utils FPS)."""
-    video_min_frames: VideoInt = None
+    video_min_frames: c.Positive | None = None
     """Fewest sampled frames (FPS_MIN_FRAMES)."""
-    video_max_frames: VideoInt = None
+    video_max_frames: c.Positive | None = None
     """Most sampled frames (FPS_MAX_FRAMES)."""
-    video_min_pixels: VideoInt = None
+    video_min_pixels: c.Positive | None = None
     """Pixels per frame at least (VIDEO_MIN_TOKEN_NUM x factor^2)."""
-    video_max_pixels: VideoInt = None
+    video_max_pixels: c.Positive | None = None
     """Pixels per frame at most (VIDEO_MAX_TOKEN_NUM x factor^2), lowered for long videos by the total."""
-    video_total_pixels: VideoInt = None
+    video_total_pixels: c.Positive | None = None
     """Pixels of all frames of a video together (MODEL_SEQ_LEN x factor^2 x 0.9)."""
     shuffle: c.Bool = True
     """Each epoch is a permutation of the data set, drawn from `seed`."""
@@ -115,9 +110,6 @@ class FilterGroupsConfig:
     train_batch_size: c.OffOrPositive = -1
     """Prompt groups trained on per step (-1: data.rollout_batch_size, the prompts of each generation batch)."""
 
-    def num_train_groups(self, rollout_batch_size: int) -> int:
-        return self.train_batch_size if self.enable and self.train_batch_size > 0 else rollout_batch_size
-
 
 @dataclass(config=c.SECTION)
 class OverlongBufferConfig:
@@ -149,12 +141,9 @@ class RolloutCorrectionConfig:
     """null: 1 / rollout_rs_threshold."""
 
 
-DR_GRPO = "Dr.GRPO is GRPO without the std division: set algorithm.norm_adv_by_std_in_grpo=false (verl's key), with worker.actor.loss_agg_mode=seq-mean-token-sum-norm for its loss"
-
-
 @dataclass(config=c.SECTION)
 class AlgorithmConfig:
-    adv_estimator: Annotated[Literal["grpo"], c.rule(lambda v: v != "drgrpo", DR_GRPO, before=True)] = "grpo"
+    adv_estimator: Literal["grpo"] = "grpo"
     """Group-relative advantages (GRPO), normalised as norm_adv_by_std_in_grpo says."""
     norm_adv_by_std_in_grpo: c.Bool | Literal["batch"] = True
     """true: (s - group mean) / (group std + adv_eps) (GRPO); false: s - group mean (Dr.GRPO); batch: the std
@@ -220,7 +209,7 @@ class TrainerConfig:
     resume: c.NonEmpty = "auto"
     """auto: continue from the run directory's newest complete checkpoint (a new run if none); none: a new run
     (an error if the directory holds one); or a global_step_N directory. Details: run/start.py."""
-    allow_config_change: tuple[c.Str, ...] = ()
+    allow_config_change: tuple[str, ...] = ()
     """Keys that may differ from the saved config on resume although they change what the saved state means
     (model, data, batch shape, objective: run/start.py); otherwise such a change is an error."""
     collective_timeout_s: c.Positive = 1800
@@ -237,8 +226,6 @@ class TrainerConfig:
 
 @dataclass(config=c.SECTION)
 class Config:
-    """The whole configuration, one field per top-level YAML section."""
-
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -256,7 +243,8 @@ class Config:
     @property
     def num_train_groups(self) -> int:
         """Prompt groups trained on per step (DAPO's train_batch_size when set, else the rollout batch)."""
-        return self.algorithm.filter_groups.num_train_groups(self.data.rollout_batch_size)
+        fg = self.algorithm.filter_groups
+        return fg.train_batch_size if fg.enable and fg.train_batch_size > 0 else self.data.rollout_batch_size
 
     def total_steps(self, steps_per_epoch: int) -> int:
         return self.trainer.max_steps or self.trainer.total_epochs * steps_per_epoch

@@ -20,10 +20,9 @@ import spmd_grpo.config.checks as c
 LORA_ALL_LINEAR = "all-linear"
 Auto = c.Bool | Literal["auto"]
 ModuleName = Annotated[
-    c.Str,
+    str,
     c.rule(
-        lambda n: bool(n) and all(p.isidentifier() or p.isdigit() for p in n.split(".")),
-        "is not a module name (a.b.c)",
+        lambda n: all(p.isidentifier() or p.isdigit() for p in n.split(".")), "is not a module name (a.b.c)"
     ),
 ]
 Beta = Annotated[c.Float, Field(ge=0, lt=1)]
@@ -57,9 +56,9 @@ class LoRAConfig:
 
 @dataclass(config=c.SECTION)
 class ModelConfig:
-    model_path: c.Str = ""
+    model_path: str = ""
     """Local directory or HF hub id of a checkpoint of a supported family (README: supported models)."""
-    tokenizer_path: c.Str | None = None
+    tokenizer_path: str | None = None
     """Where the processor (tokenizer + image processor) comes from; None: model_path."""
     trust_remote_code: c.Bool = False
     """Passed to transformers (config, processor) and to vLLM: allow code shipped with the checkpoint."""
@@ -89,9 +88,8 @@ class OptimConfig:
 @dataclass(config=c.SECTION)
 class FSDPConfig:
     param_dtype: DType = "auto"
-    """auto: bfloat16 on accelerators, float32 on CPU. The policy refuses float16 (worker.ref and
-    worker.rollout take it): its backward would run in fp16 without loss scaling, where the gradient
-    underflows (torchtitan refuses fp16 too; verl scales the loss)."""
+    """auto: bfloat16 on accelerators, float32 on CPU. float16 is refused (worker.ref and worker.rollout take
+    it): there is no loss scaling, without which fp16 gradients underflow (torchtitan refuses it too)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Gradient reduction dtype."""
     offload_params: c.Bool = False
@@ -253,7 +251,7 @@ class RolloutConfig:
 class RefConfig:
     """The frozen reference model for the KL loss (built only with algorithm.use_kl_loss)."""
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: DType = "auto"
     """The reference's dtype; auto: worker.actor.fsdp.param_dtype resolved (the numbers of an fp32 copy cast
     at the all-gather, at half the memory)."""
     offload_params: c.Bool = False
@@ -268,7 +266,7 @@ def _reward_spec(spec: str) -> bool:
 @dataclass(config=c.SECTION)
 class RewardConfig:
     reward_function: Annotated[
-        c.Str,
+        str,
         c.rule(_reward_spec, f"must be one of {', '.join(c.BUILTIN_REWARDS)} or path/to/file.py:function"),
     ] = "math"
     """`math` (geometry3k accuracy + format), `color` (the smoke task), or `path/file.py:fn` (README)."""
@@ -278,8 +276,6 @@ class RewardConfig:
 
 @dataclass(config=c.SECTION)
 class WorkerConfig:
-    """EasyR1's worker roles: the trained policy, the vLLM rollout, the reference model, the reward."""
-
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)

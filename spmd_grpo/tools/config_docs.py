@@ -9,6 +9,7 @@ import typing
 
 import annotated_types as at
 
+from spmd_grpo.config.checks import C_INT_MAX, FLOAT32_MAX
 from spmd_grpo.config.loader import describe_type
 from spmd_grpo.config.schema import Config
 
@@ -88,10 +89,9 @@ def _range(metadata: list, annotation: object) -> str:
         if typing.get_origin(arg) is typing.Annotated:
             found += [m for meta in typing.get_args(arg)[1:] for m in getattr(meta, "metadata", [meta])]
     signs = {at.Gt: ">", at.Ge: ">=", at.Lt: "<", at.Le: "<=", at.MinLen: "length >="}
-    parts = [
-        f"{signs[type(m)]} {getattr(m, dataclasses.fields(m)[0].name)}" for m in found if type(m) in signs
-    ]
-    return "".join(f", {p}" for p in parts if "2147483" not in p)
+    limits = {-C_INT_MAX - 1, C_INT_MAX, -FLOAT32_MAX, FLOAT32_MAX}  # every number's (the page's intro)
+    bounds = [(signs[type(m)], getattr(m, dataclasses.fields(m)[0].name)) for m in found if type(m) in signs]
+    return "".join(f", {sign} {value}" for sign, value in bounds if value not in limits)
 
 
 def _yaml(value: object) -> str:
