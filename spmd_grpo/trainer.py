@@ -245,6 +245,7 @@ class Trainer:
                 lambda gen_batch: self._generate_and_score(step, gen_batch, timer),
                 fg,
                 self.cfg.data.rollout_batch_size,
+                self.cfg.num_train_groups,
                 self.world,
                 timer,
             )

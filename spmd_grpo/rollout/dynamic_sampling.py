@@ -56,17 +56,18 @@ def collect_groups(
     generate_batch: Callable[[int], list[Sample]],
     cfg: FilterGroupsConfig,
     rollout_batch_size: int,
+    target: int,
     world: World,
     timer: Timer,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Call `generate_batch(gen_batch)` (one scored generation batch of `rollout_batch_size` prompts) until
-    `cfg.train_batch_size` groups with spread are kept; returns the selected, rebalanced samples and metrics.
+    `target` groups with spread are kept (`Config.num_train_groups`); returns the selected, rebalanced
+    samples and metrics.
 
     Metrics: `train/gen_score/*` (the score of everything generated: the kept batch has spread by
     construction), `train/num_gen_batches`, `train/kept_group_frac`; `timer` times the rebalancing
     (`timing_s/rebalance`).
     """
-    target = cfg.num_train_groups(rollout_batch_size)
     samples: list[Sample] = []
     generated_scores: list[float] = []
     num_gen_batches = 0
