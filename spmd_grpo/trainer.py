@@ -14,7 +14,10 @@ What this module decides:
   * The old logprobs of the PPO ratio are the trainer's recomputation (as verl), not vLLM's: vLLM's serve
     `rollout/logprob_diff_*` and, with `algorithm.rollout_correction`, its importance weights.
   * DAPO's overlong penalty is added to the reward's `overall` before the advantages (logged as
-    `reward/overlong_penalty`); `algorithm.norm_adv_by_std_in_grpo` picks the advantage function.
+    `reward/overlong_penalty`), for training rollouts only: validation scores are the reward function's
+    (verl's DAPO recipe gives its validation reward manager the same overlong buffer, so its validation
+    reward includes the penalty; the accuracy behind `val-core/<source>/acc` is unaffected in both).
+    `algorithm.norm_adv_by_std_in_grpo` picks the advantage function.
   * The weight sync is never a phase of its own: it needs vLLM's wake sequence, so the new version is pushed
     inside the next `rollout_mode`, the validation's or the next step's rollout.
   * A checkpoint is saved every `trainer.save_freq` steps and after the last (when save_freq > 0), and at the

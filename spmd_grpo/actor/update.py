@@ -7,6 +7,12 @@ sequences; every micro-batch's loss is its contribution to that GLOBAL aggregate
 gradient does not depend on how the mini-batch is split into micro-batches or ranks. FSDP2 averages
 gradients over ranks; the loss is multiplied by the world size to turn that average into the sum.
 
+Metrics: `actor/pg_loss`, `actor/entropy` and `actor/kl_loss` are the global mini-batch values averaged over
+the step's mini-batches and epochs; `actor/pg_clipfrac`, `pg_clipfrac_lower` and `ppo_kl` are token-means
+over all of them. verl's dp actor differs: its `pg_loss` and `kl_loss` add up each rank's micro-batch shares
+over EVERY mini-batch and epoch (k mini-batches: k times the value here, for the same losses), its entropy
+and clip fractions are means of per-micro-batch values.
+
 Every setting the update reads travels as one frozen `UpdateSpec`, resolved from the config once; every
 per-sample input (old and reference logprobs, advantage) is a field of the `Sample` record.
 

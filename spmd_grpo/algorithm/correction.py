@@ -41,10 +41,13 @@ Deviations from verl (`verl/trainer/ppo/rollout_corr_helper.py`):
   `rollout_rs_threshold` defaults to 2.0 (the MIS post's C; current verl's default is null and must be set
   when `rollout_rs` is on).
 - Metrics are global over ranks ((sum, count) pairs and maxima the caller all-reduces), computed once per
-  step over the rank's samples: `rollout_is_max` is the largest ratio BEFORE truncation at both levels
-  (verl reports the truncated maximum at token level, the raw one at sequence level), and `k3_kl` uses the
-  clamped log-ratio. Only these metrics are given (verl also logs min, std, ESS, perplexities, chi^2):
-    rollout_corr/rollout_is_mean                  token-mean of the applied weights w
+  step over the rank's samples: `rollout_is_max` is the largest ratio BEFORE truncation at both levels (as
+  verl), `rollout_is_mean` is the mean of the weights AFTER truncation, i.e. the scale the loss actually gets
+  (verl's is the mean of the ratios before truncation, so ours is lower whenever a ratio exceeds C), and
+  `k3_kl` uses the clamped log-ratio. Sequence and geometric rejection sum (average) the raw token
+  log-ratios and clamp the result (verl clamps each token's first: they differ only where a token's
+  |d| > 20). Only these metrics are given (verl also logs min, std, ESS, perplexities, chi^2):
+    rollout_corr/rollout_is_mean                  token-mean of the applied weights w = min(rho, C)
     rollout_corr/rollout_is_max                   max rho (token level: over tokens; sequence: sequences)
     rollout_corr/rollout_is_ratio_fraction_high   fraction capped: tokens (sequences) with rho > C
     rollout_corr/rollout_rs_masked_fraction       fraction of valid tokens rejected

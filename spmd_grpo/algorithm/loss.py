@@ -34,11 +34,18 @@ Formulas are verl's (`verl/trainer/ppo/core_algos.py`). Deviations:
 - k3 is computed as expm1(k) - k, not exp(k) - k - 1 (verl): the same value, but near k = 0 (policy close to
   the reference, the usual case) exp(k) rounds to 1 and the difference loses the k^2 / 2 it should return
   (at |k| = 1e-4 in fp32, exp(k) - k - 1 gives 0 where k^2 / 2 = 5e-9: relative error 1; expm1 - k: 3e-4).
-- `seq-mean-token-sum-norm` (Dr.GRPO) divides sum(L m) by num_sequences x max_response_length, where verl
-  divides by max_response_length only. The Dr.GRPO paper's objective keeps GRPO's 1/G mean over the
-  sequences and replaces only the per-sequence 1/|o_i| by a constant, so its loss is ours; verl's is that
-  times the number of sequences, i.e. a learning rate scaled by the batch size, which would make the step
-  size depend on rollout_batch_size x n. Matching verl's numbers needs lr / num_sequences.
+- `seq-mean-token-sum-norm` (Dr.GRPO) divides sum(L m) by num_sequences x max_response_length, where verl's
+  `agg_loss` divides each micro-batch's sum(L m) by the constant only (its `actor.loss_scale_factor`, default
+  the padded response width, i.e. max_response_length; here the constant is always max_response_length).
+  The Dr.GRPO paper's objective keeps GRPO's 1/G mean over the sequences and replaces only the per-sequence
+  1/|o_i| by a constant, so its loss is ours. verl's gradient is ours times the sequences per micro-batch
+  (its dp actor scales each micro-batch by 1 / gradient-accumulation steps; with `use_dynamic_bsz` each
+  micro-batch is weighted by its sequence count instead) or times the sequences per rank (its engine
+  path), so the step size depends on the batch shape there and not here. The same factor separates the
+  `actor/entropy` and `actor/kl_loss` values in this mode.
+- The KL is a loss term only (verl's `kl_loss_type` / `kl_loss_coef`, named `algorithm.kl_penalty` /
+  `kl_coef` here as in EasyR1); verl's KL-in-reward (`use_kl_in_reward` with a fixed or adaptive
+  controller, which subtracts kl_coef x KL from the token rewards before the advantages) is not provided.
 
 Shape legend:
     B: sequences in this micro-batch    T: padded response length

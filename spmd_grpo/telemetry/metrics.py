@@ -118,7 +118,11 @@ def sample_metrics(samples: list[Sample], max_response_length: int) -> dict[str,
     scores = torch.tensor([s.scores["overall"] for s in samples])
     m = global_stats("critic/score", scores)
     m.update(global_stats("critic/rewards", scores))
-    m.update(global_stats("critic/advantages", torch.tensor([s.advantage for s in samples])))
+    # verl's advantage statistics are over response tokens (a sample counts once per token); its scores
+    # and rewards are per sample.
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+    token_advantages = torch.tensor([s.advantage for s in samples]).repeat_interleave(lengths)
+    m.update(global_stats("critic/advantages", token_advantages))
     keys = [k for k in samples[0].scores if k != "overall"] if samples else []
     terms = {k: torch.tensor([s.scores[k] for s in samples]) for k in keys}  # float32, as the reward returns
     m.update(global_means({f"reward/{k}": (float(v.sum()), v.numel()) for k, v in terms.items()}))

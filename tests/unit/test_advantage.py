@@ -11,6 +11,8 @@ from spmd_grpo.algorithm.advantage import (
     compute_grpo_advantages,
     group_has_spread,
 )
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.telemetry.metrics import sample_metrics
 
 EPS = 1e-6
 
@@ -187,3 +189,18 @@ def test_no_multi_sample_groups_gives_zero_fraction():
     _, metrics = compute_grpo_advantages(torch.tensor([0.3]), torch.tensor([0]), 1)
     assert metrics["adv/zero_std_group_frac"] == 0.0
     assert not math.isnan(metrics["adv/zero_std_group_frac"])
+
+
+def test_logged_advantage_mean_is_over_response_tokens_as_verl():
+    # verl's critic/advantages/mean is the mean over valid response tokens (masked_select of the token-level
+    # advantages), so a long response weighs more: here (3 x 1.0 + 1 x -1.0) / 4 = 0.5, where a mean over
+    # samples would give 0.
+    prompt = Prompt(uid=0, prompt_token_ids=[])
+    samples = [Sample(prompt, 0, [7], [1, 2, 3], [-0.1] * 3), Sample(prompt, 1, [7], [4], [-0.2])]
+    for s, a in zip(samples, (1.0, -1.0), strict=True):
+        s.advantage, s.scores = a, {"overall": a}
+        s.old_logprobs = torch.tensor(s.rollout_logprobs)
+    m = sample_metrics(samples, max_response_length=3)
+    assert m["critic/advantages/mean"] == pytest.approx(0.5)
+    assert (m["critic/advantages/max"], m["critic/advantages/min"]) == (1.0, -1.0)
+    assert m["critic/score/mean"] == pytest.approx(0.0)  # scores stay per sample, as verl's
