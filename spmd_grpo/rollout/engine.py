@@ -17,9 +17,11 @@ The accelerator is time-shared: `rollout_mode(policy, version)` is the one way t
 owns memory now), then wakes vLLM in the order empty cache -> wake(weights) -> push the policy's weights if
 the engine does not hold this version -> empty cache -> wake(kv_cache): waking everything at once could hold
 old weights + new weights + KV cache together. On exit, also on an exception, it puts vLLM to sleep and
-restores the allocator setting and the optimizer state. Sleep level 2 DISCARDS the weights, so after it the
-engine holds no version and the next `rollout_mode` pushes every weight again (level 1 keeps them in host
-memory). On CPU vLLM has no sleep mode: it is skipped with one log line and the weights stay.
+restores the allocator setting and the optimizer state. A new engine is put to sleep at once (verl and
+EasyR1 do the same), so the first `rollout_mode` follows that order too and nothing of vLLM holds the device
+before it. Sleep level 2 DISCARDS the weights, so after it the engine holds no version and the next
+`rollout_mode` pushes every weight again (level 1 keeps them in host memory). On CPU vLLM has no sleep mode:
+it is skipped with one log line and the weights stay.
 
 Weight sync (`iter_sharded_weights`): parameters are streamed in bounded buckets (grouped by layer, up to
 `weight_sync_bucket_mb`), each FSDP2 local shard cast to the rollout dtype BEFORE it travels (half the
@@ -109,8 +111,9 @@ class RolloutEngine:
         adapter_lora: LoRAConfig | None = None,
     ) -> None:
         """Drive `llm`, this rank's `vllm.LLM` (`from_config` builds it), which holds none of the policy's
-        weights yet (`load_format="dummy"`): the first `rollout_mode` pushes every weight. `dtype`: the
-        rollout dtype weights are cast to before they travel; `adapter_lora`: adapter-only LoRA pushes."""
+        weights yet (`load_format="dummy"`): the first `rollout_mode` pushes every weight. With sleep mode
+        the engine is put to sleep here. `dtype`: the rollout dtype weights are cast to before they travel;
+        `adapter_lora`: adapter-only LoRA pushes."""
         self.llm, self.cfg, self.world, self.dtype = llm, cfg, world, dtype
         self.tie_word_embeddings = tie_word_embeddings
         self.sleep_enabled = _sleep_mode(cfg, world)
@@ -119,6 +122,10 @@ class RolloutEngine:
         self.weight_layout = family_of(llm.llm_engine.model_config.hf_config).hub_tensors
         self.stats = EngineStats()
         self.asleep = False
+        # Asleep from the start, as verl and EasyR1 leave a new engine: its dummy weights and KV cache would
+        # otherwise hold the device until the first `rollout_mode` (through the resume's optimizer-state
+        # load), and that first push would run beside the whole KV cache instead of before it is allocated.
+        self.sleep()
 
     @classmethod
     def from_config(

@@ -209,7 +209,8 @@ def test_weight_push_falls_back_to_load_weights_without_reload_weights():
         reset_mm_cache=lambda: resets.append("mm"),
     )
     world = SimpleNamespace(device_type="npu")
-    engine = RolloutEngine(llm, RolloutConfig(), world, dtype=torch.float32, tie_word_embeddings=False)
+    cfg = RolloutConfig(enable_sleep_mode=False)  # the push alone (sleep and wake: test_rollout_mode.py)
+    engine = RolloutEngine(llm, cfg, world, dtype=torch.float32, tie_word_embeddings=False)
 
     weights = [("model.embed_tokens.weight", torch.ones(2, 3)), ("lm_head.weight", torch.zeros(2, 3))]
     engine.load_weights(iter(weights), version=1)

@@ -2,8 +2,9 @@
 
 vLLM has no sleep mode on CPU, so the real engine cannot show the wake/sleep sequence here. The fake records
 every call in order: the tests prove the order (offload optimizer -> wake weights -> push -> wake KV ->
-generate -> sleep -> restore), that the restore also happens when generation raises, and that after a
-level-2 sleep (which discards vLLM's weights) the next wake pushes every weight again, frozen ones included.
+generate -> sleep -> restore), that a new engine is asleep so its first rollout follows that order too, that
+the restore also happens when generation raises, and that after a level-2 sleep (which discards vLLM's
+weights) the next wake pushes every weight again, frozen ones included.
 """
 
 from __future__ import annotations
@@ -67,10 +68,21 @@ ALL = ["language.bias", "language.weight", "visual.bias", "visual.weight"]
 TRAINABLE = ["language.bias", "language.weight"]
 
 
+def test_a_new_engine_sleeps_and_its_first_push_comes_before_the_kv_cache(events):
+    """Built awake, vLLM would hold its dummy weights and its whole KV cache from construction to the first
+    rollout (the resume's optimizer-state load included), and the first push would run beside that KV cache."""
+    engine, policy = fake_engine(events, sleep_level=1), Policy()
+    assert events == [("sleep", 1)]
+    events.clear()
+    with engine.rollout_mode(policy, 0):
+        pass
+    assert [e[0] for e in events] == ["expandable", "wake", "push", "wake", "sleep", "expandable"]
+    assert events[1:4] == [("wake", ("weights",)), ("push", ALL), ("wake", ("kv_cache",))]
+
+
 def test_order_and_full_push_after_level_2_sleep(events):
     engine, policy, optimizer = fake_engine(events, sleep_level=2), Policy(), object()
-    engine.sleep()  # asleep after start-up, as the trainer leaves it; level 2 drops the weights
-    events.clear()
+    events.clear()  # the start-up sleep; level 2 drops the (dummy) weights
     with engine.rollout_mode(policy, 1, optimizer=optimizer):
         events.append(("generate",))
     assert events == [
