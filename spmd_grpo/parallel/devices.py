@@ -87,9 +87,19 @@ def empty_cache(device_type: str) -> None:
 
 def set_expandable_segments(device_type: str, enabled: bool) -> None:
     """CUDA allocator: expandable segments help training (less fragmentation) but must be off while vLLM's
-    sleep-mode allocator owns memory (older vLLM asserted on it). No-op elsewhere."""
+    sleep-mode allocator owns memory (older vLLM asserted on it). No-op elsewhere.
+
+    Only that one option changes: torch parses an allocator setting string as a whole and resets every
+    option it does not name, so writing `expandable_segments:X` alone would silently drop the user's
+    `max_split_size_mb`, `garbage_collection_threshold` or `roundup_power2_divisions` (from
+    PYTORCH_CUDA_ALLOC_CONF) at the first rollout. The current string is read back and rewritten with the
+    option replaced, as vLLM does around its own pool."""
     if device_type == "cuda":
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+        current = torch._C._accelerator_getAllocatorSettings()
+        kept = [
+            f for f in current.split(",") if f.strip() and f.split(":")[0].strip() != "expandable_segments"
+        ]
+        torch._C._accelerator_setAllocatorSettings(",".join([*kept, f"expandable_segments:{enabled}"]))
 
 
 def memory_line(device_type: str, phase: str) -> str:

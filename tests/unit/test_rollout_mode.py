@@ -144,3 +144,23 @@ def test_failed_load_warnings_are_dropped_only_for_layers_a_partial_push_leaves_
         assert shown("BrokenLinear")
     assert shown("RMSNorm")  # outside a partial push nothing is presumed
     _PUSH.failed_in_full_push.clear()
+
+
+def test_the_expandable_segments_switch_keeps_the_other_allocator_settings():
+    """Torch resets every allocator option a settings string leaves out: switching expandable segments around
+    the rollout must not drop a user's PYTORCH_CUDA_ALLOC_CONF options (the real torch setter, run here for
+    the cuda path: it only parses and stores the string)."""
+    from spmd_grpo.parallel.devices import set_expandable_segments
+
+    get, put = torch._C._accelerator_getAllocatorSettings, torch._C._accelerator_setAllocatorSettings
+    before = get()
+    put("max_split_size_mb:512,garbage_collection_threshold:0.6")
+    try:
+        set_expandable_segments("cuda", False)
+        assert get() == "max_split_size_mb:512,garbage_collection_threshold:0.6,expandable_segments:False"
+        set_expandable_segments("cuda", True)
+        assert get() == "max_split_size_mb:512,garbage_collection_threshold:0.6,expandable_segments:True"
+        set_expandable_segments("cpu", False)  # nothing to switch
+        assert get().endswith("expandable_segments:True")
+    finally:
+        put(before)
