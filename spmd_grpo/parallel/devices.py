@@ -103,11 +103,19 @@ def set_expandable_segments(device_type: str, enabled: bool) -> None:
 
 
 def memory_line(device_type: str, phase: str) -> str:
-    """One log line of memory at a phase boundary: device allocated/reserved (accelerators) and process RSS."""
+    """One log line of memory at a phase boundary: on accelerators the device memory in use (the driver's
+    free/total, as verl logs it) and torch's allocated/reserved; the process RSS.
+
+    The driver's figure is the one that shows what vLLM's sleep freed and its wake took: the sleep-mode pool
+    unmaps and maps physical memory behind torch's caching allocator, whose counters alone cannot show it."""
     mod = device_module(device_type)
     device = ""
     if mod is not None:
-        device = f"device allocated {mod.memory_allocated() / 2**30:.2f} GiB reserved {mod.memory_reserved() / 2**30:.2f} GiB, "
+        free, total = mod.mem_get_info()
+        device = (
+            f"device in use {(total - free) / 2**30:.2f} of {total / 2**30:.0f} GiB (torch allocated "
+            f"{mod.memory_allocated() / 2**30:.2f} reserved {mod.memory_reserved() / 2**30:.2f}), "
+        )
     return f"memory after {phase}: {device}process RSS {cpu_memory_used_gb():.2f} GiB"
 
 
