@@ -23,6 +23,15 @@ before it. Sleep level 2 DISCARDS the weights, so after it the engine holds no v
 `rollout_mode` pushes every weight again (level 1 keeps them in host memory). On CPU vLLM has no sleep mode:
 it is skipped with one log line and the weights stay.
 
+Where the hand-over differs from verl's FSDP + vLLM hybrid engine: the policy's and the reference's shards
+stay on the device while vLLM generates (verl's `param_offload` moves the policy's to host memory around the
+rollout; `fsdp.offload_params` here keeps them in host memory throughout) and only the AdamW state can leave;
+the device RNG is not swapped around the rollout (verl and EasyR1 keep one generation RNG state per TP group
+for unseeded sampling; every request here carries its own seed). As in verl, each `rollout_mode` after a
+level-2 sleep pushes the whole model, so a validation at the end of a step and every further DAPO generation
+batch push a version the engine held before it slept (level 1 keeps it, at the cost of a host copy of the
+weights per rank).
+
 Weight sync (`iter_sharded_weights`): parameters are streamed in bounded buckets (grouped by layer, up to
 `weight_sync_bucket_mb`), each FSDP2 local shard cast to the rollout dtype BEFORE it travels (half the
 traffic of gathering fp32 masters), gathered per bucket straight into one receive buffer (in-place all-gather
