@@ -228,7 +228,7 @@ class RolloutEngine:
             self.sleep()
             set_expandable_segments(self.world.device_type, True)
             if offload:
-                move_optimizer_state(optimizer, self.world.device)
+                move_optimizer_state(optimizer, None)  # back where its parameters are
             if log_memory:
                 log.info(memory_line(self.world.device_type, "rollout + sleep"))
 
@@ -352,13 +352,16 @@ def _malloc_trim() -> None:
         fn(0)
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move AdamW's state tensors (exp_avg, exp_avg_sq; DTensor shards too) to `device`, in place.
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str | None) -> None:
+    """Move AdamW's state tensors (exp_avg, exp_avg_sq; DTensor shards too) to `device`, in place; None: back
+    to each parameter's own device.
 
     With `worker.actor.fsdp.offload_optimizer` the state lives on the CPU while vLLM is awake and comes back
-    for the update: the states are 2x the fp32 parameter shard, the largest training-only allocation.
+    for the update: the states are 2x the fp32 parameter shard, the largest training-only allocation. It
+    comes back to its parameter's device, not the accelerator: with `fsdp.offload_params` too the shards and
+    so the state stay in host memory (verl turns its optimizer offload off under FSDP2's offload policy).
     """
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+                state[key] = value.to(param.device if device is None else device, non_blocking=True)

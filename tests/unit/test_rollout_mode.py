@@ -17,7 +17,7 @@ from torch import nn
 
 import spmd_grpo.rollout.engine as engine_mod
 from spmd_grpo.config.workers import RolloutConfig
-from spmd_grpo.rollout.engine import RolloutEngine
+from spmd_grpo.rollout.engine import RolloutEngine, move_optimizer_state
 
 
 class Policy(nn.Module):
@@ -94,7 +94,7 @@ def test_order_and_full_push_after_level_2_sleep(events):
         ("generate",),
         ("sleep", 2),
         ("expandable", True),
-        ("optim", "cuda:0"),  # back to the device
+        ("optim", "None"),  # back to its parameters' device
     ]
     events.clear()
     with engine.rollout_mode(policy, 1):  # same version, but level 2 discarded it: push everything again
@@ -116,7 +116,7 @@ def test_sleeps_and_restores_when_generation_fails(events):
     engine, policy, optimizer = fake_engine(events, sleep_level=2), Policy(), object()
     with pytest.raises(RuntimeError, match="boom"), engine.rollout_mode(policy, 1, optimizer=optimizer):
         raise RuntimeError("boom")
-    assert events[-3:] == [("sleep", 2), ("expandable", True), ("optim", "cuda:0")]
+    assert events[-3:] == [("sleep", 2), ("expandable", True), ("optim", "None")]
 
 
 def test_failed_load_warnings_are_dropped_only_for_layers_a_partial_push_leaves_out():
@@ -164,3 +164,21 @@ def test_the_expandable_segments_switch_keeps_the_other_allocator_settings():
         assert get().endswith("expandable_segments:True")
     finally:
         put(before)
+
+
+def test_the_optimizer_state_comes_back_to_its_parameters_device(events, monkeypatch):
+    """With `fsdp.offload_params` as well, the parameters and so AdamW's state live in host memory: after the
+    rollout the state must return there, not to the accelerator (where the next step would meet CPU
+    gradients). The real move, with `meta` standing for the accelerator this machine lacks."""
+    monkeypatch.setattr(engine_mod, "move_optimizer_state", move_optimizer_state)
+    policy = Policy()
+    optimizer = torch.optim.AdamW(policy.language.parameters(), foreach=False)
+    policy.language(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # state on the CPU, beside its (host-memory) parameters
+    engine = fake_engine(events, sleep_level=2)
+    engine.world = SimpleNamespace(device_type="cuda", device=torch.device("meta"))
+    with engine.rollout_mode(policy, 1, optimizer=optimizer):
+        pass
+    states = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+    assert len(states) == 4 and all(v.device.type == "cpu" for v in states)
+    optimizer.step()  # and the next step runs
