@@ -54,7 +54,7 @@ def attach_image_features(model: nn.Module, samples: list[Sample], spec: UpdateS
     size = spec.experience_micro_batch_size
     chunks = [groups[i : i + size] for i in range(0, len(groups), size)]
     num_calls = int(all_reduce_max(torch.tensor([float(len(chunks))])).item())
-    device = next(model.parameters()).device
+    device = model.compute_device
     for k in range(num_calls):
         if k >= len(chunks):
             model(dummy_image(model.config).to(device))

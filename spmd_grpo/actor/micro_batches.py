@@ -121,7 +121,7 @@ def collate_for(
     input (`UpdateSpec.videos`: in a run that allows videos, every forward does); each prompt held once
     where the model was built for shared prompts (`uses_shared_prompt`); for an MoE model, with the routes
     `route_pass` (old, ref, update) compares with or replays (actor/routes.py)."""
-    device = next(model.parameters()).device
+    device = model.compute_device
     flags = {
         "tower_in_forward": spec.tower_in_forward(for_update=for_update),
         "video_in_forward": spec.videos,

@@ -154,7 +154,7 @@ def _micro_batch_loss(
     `padding`: a zero-weight micro-batch that only keeps the ranks' forward/backward counts equal.
     `aux_weight`: this micro-batch's share of the rank's router aux loss (MoE, see `_router_aux_loss`).
     """
-    device = next(policy.parameters()).device
+    device = policy.compute_device
     batch = collate_for(policy, samples, spec, for_update=True)
     logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
     if not padding:

@@ -172,9 +172,10 @@ def merge_sources(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tenso
 
 
 def merged_weight(base: torch.Tensor, source: tuple[torch.Tensor, torch.Tensor, float]) -> torch.Tensor:
-    """`base + scale * B @ A` in fp32, returned in `base`'s dtype. Collective when the adapters are sharded
-    (each is gathered whole: [r, in] and [out, r], small next to the base weight)."""
-    a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in source[:2])
+    """`base + scale * B @ A` in fp32, returned in `base`'s dtype on `base`'s device. Collective when the
+    adapters are sharded (each is gathered whole: [r, in] and [out, r], small next to the base weight)."""
+    # on `base`'s device: offloaded adapters (`fsdp.offload_params`) live in host memory, a gathered base not
+    a, b = ((t.full_tensor() if hasattr(t, "full_tensor") else t).to(base.device) for t in source[:2])
     scale = source[2]
     with torch.no_grad():
         return (base.float() + scale * (b.detach().float() @ a.detach().float())).to(base.dtype)

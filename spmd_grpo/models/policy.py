@@ -147,6 +147,13 @@ class PolicyModule(nn.Module):
     def config(self):
         return self.hf.config
 
+    @property
+    def compute_device(self) -> torch.device:
+        """Where this model computes, so where its inputs go. Not its parameters' device: with
+        `fsdp.offload_params` the parameter shards live in host memory and FSDP2 gathers them onto the
+        accelerator for each forward. The buffers show it: `fully_shard` and the build put them there."""
+        return self.suppress_ids.device
+
     def forward(
         self, batch: SequenceBatch | ImageBatch, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, ...]:

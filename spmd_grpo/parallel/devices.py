@@ -87,17 +87,35 @@ def empty_cache(device_type: str) -> None:
 
 def set_expandable_segments(device_type: str, enabled: bool) -> None:
     """CUDA allocator: expandable segments help training (less fragmentation) but must be off while vLLM's
-    sleep-mode allocator owns memory (older vLLM asserted on it). No-op elsewhere."""
+    sleep-mode allocator owns memory (older vLLM asserted on it). No-op elsewhere.
+
+    Only that one option changes: torch parses an allocator setting string as a whole and resets every
+    option it does not name, so writing `expandable_segments:X` alone would silently drop the user's
+    `max_split_size_mb`, `garbage_collection_threshold` or `roundup_power2_divisions` (from
+    PYTORCH_CUDA_ALLOC_CONF) at the first rollout. The current string is read back and rewritten with the
+    option replaced, as vLLM does around its own pool."""
     if device_type == "cuda":
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+        current = torch._C._accelerator_getAllocatorSettings()
+        kept = [
+            f for f in current.split(",") if f.strip() and f.split(":")[0].strip() != "expandable_segments"
+        ]
+        torch._C._accelerator_setAllocatorSettings(",".join([*kept, f"expandable_segments:{enabled}"]))
 
 
 def memory_line(device_type: str, phase: str) -> str:
-    """One log line of memory at a phase boundary: device allocated/reserved (accelerators) and process RSS."""
+    """One log line of memory at a phase boundary: on accelerators the device memory in use (the driver's
+    free/total, as verl logs it) and torch's allocated/reserved; the process RSS.
+
+    The driver's figure is the one that shows what vLLM's sleep freed and its wake took: the sleep-mode pool
+    unmaps and maps physical memory behind torch's caching allocator, whose counters alone cannot show it."""
     mod = device_module(device_type)
     device = ""
     if mod is not None:
-        device = f"device allocated {mod.memory_allocated() / 2**30:.2f} GiB reserved {mod.memory_reserved() / 2**30:.2f} GiB, "
+        free, total = mod.mem_get_info()
+        device = (
+            f"device in use {(total - free) / 2**30:.2f} of {total / 2**30:.0f} GiB (torch allocated "
+            f"{mod.memory_allocated() / 2**30:.2f} reserved {mod.memory_reserved() / 2**30:.2f}), "
+        )
     return f"memory after {phase}: {device}process RSS {cpu_memory_used_gb():.2f} GiB"
 
 

@@ -17,9 +17,20 @@ The accelerator is time-shared: `rollout_mode(policy, version)` is the one way t
 owns memory now), then wakes vLLM in the order empty cache -> wake(weights) -> push the policy's weights if
 the engine does not hold this version -> empty cache -> wake(kv_cache): waking everything at once could hold
 old weights + new weights + KV cache together. On exit, also on an exception, it puts vLLM to sleep and
-restores the allocator setting and the optimizer state. Sleep level 2 DISCARDS the weights, so after it the
-engine holds no version and the next `rollout_mode` pushes every weight again (level 1 keeps them in host
-memory). On CPU vLLM has no sleep mode: it is skipped with one log line and the weights stay.
+restores the allocator setting and the optimizer state. A new engine is put to sleep at once (verl and
+EasyR1 do the same), so the first `rollout_mode` follows that order too and nothing of vLLM holds the device
+before it. Sleep level 2 DISCARDS the weights, so after it the engine holds no version and the next
+`rollout_mode` pushes every weight again (level 1 keeps them in host memory). On CPU vLLM has no sleep mode:
+it is skipped with one log line and the weights stay.
+
+Where the hand-over differs from verl's FSDP + vLLM hybrid engine: the policy's and the reference's shards
+stay on the device while vLLM generates (verl's `param_offload` moves the policy's to host memory around the
+rollout; `fsdp.offload_params` here keeps them in host memory throughout) and only the AdamW state can leave;
+the device RNG is not swapped around the rollout (verl and EasyR1 keep one generation RNG state per TP group
+for unseeded sampling; every request here carries its own seed). As in verl, each `rollout_mode` after a
+level-2 sleep pushes the whole model, so a validation at the end of a step and every further DAPO generation
+batch push a version the engine held before it slept (level 1 keeps it, at the cost of a host copy of the
+weights per rank).
 
 Weight sync (`iter_sharded_weights`): parameters are streamed in bounded buckets (grouped by layer, up to
 `weight_sync_bucket_mb`), each FSDP2 local shard cast to the rollout dtype BEFORE it travels (half the
@@ -109,8 +120,9 @@ class RolloutEngine:
         adapter_lora: LoRAConfig | None = None,
     ) -> None:
         """Drive `llm`, this rank's `vllm.LLM` (`from_config` builds it), which holds none of the policy's
-        weights yet (`load_format="dummy"`): the first `rollout_mode` pushes every weight. `dtype`: the
-        rollout dtype weights are cast to before they travel; `adapter_lora`: adapter-only LoRA pushes."""
+        weights yet (`load_format="dummy"`): the first `rollout_mode` pushes every weight. With sleep mode
+        the engine is put to sleep here. `dtype`: the rollout dtype weights are cast to before they travel;
+        `adapter_lora`: adapter-only LoRA pushes."""
         self.llm, self.cfg, self.world, self.dtype = llm, cfg, world, dtype
         self.tie_word_embeddings = tie_word_embeddings
         self.sleep_enabled = _sleep_mode(cfg, world)
@@ -119,6 +131,10 @@ class RolloutEngine:
         self.weight_layout = family_of(llm.llm_engine.model_config.hf_config).hub_tensors
         self.stats = EngineStats()
         self.asleep = False
+        # Asleep from the start, as verl and EasyR1 leave a new engine: its dummy weights and KV cache would
+        # otherwise hold the device until the first `rollout_mode` (through the resume's optimizer-state
+        # load), and that first push would run beside the whole KV cache instead of before it is allocated.
+        self.sleep()
 
     @classmethod
     def from_config(
@@ -212,7 +228,7 @@ class RolloutEngine:
             self.sleep()
             set_expandable_segments(self.world.device_type, True)
             if offload:
-                move_optimizer_state(optimizer, self.world.device)
+                move_optimizer_state(optimizer, None)  # back where its parameters are
             if log_memory:
                 log.info(memory_line(self.world.device_type, "rollout + sleep"))
 
@@ -336,13 +352,16 @@ def _malloc_trim() -> None:
         fn(0)
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move AdamW's state tensors (exp_avg, exp_avg_sq; DTensor shards too) to `device`, in place.
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str | None) -> None:
+    """Move AdamW's state tensors (exp_avg, exp_avg_sq; DTensor shards too) to `device`, in place; None: back
+    to each parameter's own device.
 
     With `worker.actor.fsdp.offload_optimizer` the state lives on the CPU while vLLM is awake and comes back
-    for the update: the states are 2x the fp32 parameter shard, the largest training-only allocation.
+    for the update: the states are 2x the fp32 parameter shard, the largest training-only allocation. It
+    comes back to its parameter's device, not the accelerator: with `fsdp.offload_params` too the shards and
+    so the state stay in host memory (verl turns its optimizer offload off under FSDP2's offload policy).
     """
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+                state[key] = value.to(param.device if device is None else device, non_blocking=True)

@@ -2,6 +2,12 @@
 shares with the trainer, the logits processor that makes vision tokens unsamplable, host-side image
 normalisation, and the filters for vLLM's log noise. `engine.RolloutEngine` is the one place that builds an
 engine from them; the bare-limit benchmark builds a plain `vllm.LLM` from the same arguments.
+
+Unlike verl and EasyR1, which always pass `disable_custom_all_reduce=True`, vLLM's custom all-reduce keeps
+its default (used for TP > 1 on NVLink). It registers CUDA-graph buffers through CUDA IPC, which needs
+`cudaMalloc` memory (vLLM 0.32 copies the graph buffers its sleep-mode pool holds instead): graphs captured
+(`enforce_eager` false) with TP > 1 while PYTORCH_CUDA_ALLOC_CONF has `expandable_segments:True` at engine
+build are where it can fail. Not run on a GPU.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ Each tensor goes out as vLLM's loader reads it (`layout`: the family's `hub_tens
 Qwen3-VL-MoE's fused experts and splits Qwen3.5-MoE's into one tensor per expert; the identity elsewhere).
 Expert-parallel experts (`worker.actor.fsdp.expert_parallel_size` > 1: 2-D DTensors, experts by EP rank,
 then rows by FSDP rank) are one block of rows per rank too, gathered in their layer's bucket like any shard.
+Shards offloaded to host memory (`worker.actor.fsdp.offload_params`) are gathered on the accelerator.
 
 LoRA, merged mode: the adapters never travel on their own; each adapted base weight is sent under its HF
 name as `W + alpha / r * B @ A` (computed in fp32 after gathering the base in the rollout dtype and the
@@ -199,7 +200,13 @@ class _GatheredBucket:
             numel = max(rows for _, rows in blocks) * math.prod(p.shape[1:])
             self.layout[name] = (tuple(p.shape), blocks, offset, numel)
             offset += numel
-        device = sharded[0][1].to_local().device
+        first = sharded[0][1]
+        device = first.to_local().device
+        if device.type == "cpu":
+            # FSDP2 offload (`fsdp.offload_params`) keeps the shards in host memory: gather them on the mesh's
+            # accelerator over nccl/hccl, as verl moves offloaded shards to the device before gathering, not
+            # over gloo in host memory (a cpu mesh, the CPU build, stays on the cpu).
+            device = torch.device(first.device_mesh.device_type)
         self.recv = torch.empty(world, offset, dtype=dtype, device=device)
         own = self.recv[rank]
         for name, p in sharded:

@@ -216,7 +216,8 @@ def expert_parallel_grads(
 
 def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> dict:
     """("other_gathering",): micro-batches of one with the other `gather_once_per_pass`; ("packed",): the
-    padding-free forward; ("shared", ...): shared-prompt passes (`shared_prompt_cases`); ("frozen",) / ("reuse",): a policy with a frozen vision tower
+    padding-free forward; ("offload",), on an accelerator: the policy with `fsdp.offload_params`; ("shared", ...):
+    shared-prompt passes (`shared_prompt_cases`); ("frozen",) / ("reuse",): a policy with a frozen vision tower
     without / with image features encoded once (`encode_images`). Rank 1's samples 4.. share one image, so
     the ranks have different numbers of images to encode (8 against 5 calls of one prompt: rank 1 runs
     3 dummy images to keep FSDP's collectives aligned)."""
@@ -230,6 +231,13 @@ def variants(policy, actor: ActorConfig, processor, spec: UpdateSpec, world) -> 
     policy.padding_free = True
     out[("packed",)] = gradient(policy, make_samples(processor, 256), spec, world)
     policy.padding_free = False
+    # Shards in host memory, computing on the accelerator (on the CPU both are host memory: model_load.py)
+    if world.device_type != "cpu":
+        fsdp = dataclasses.replace(actor.fsdp, offload_params=True)
+        offloaded = build_policy(dataclasses.replace(actor, fsdp=fsdp), world)
+        grads = gradient(offloaded, make_samples(processor, 256), spec, world)
+        out[("offload",)] = {n: g.to(world.device) for n, g in grads.items()}
+        del offloaded
     frozen = build_policy(
         dataclasses.replace(actor, model=dataclasses.replace(actor.model, freeze_vision_tower=True)), world
     )

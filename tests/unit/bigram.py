@@ -17,6 +17,10 @@ class BigramPolicy(nn.Module):
         super().__init__()
         self.table = nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)))
 
+    @property
+    def compute_device(self) -> torch.device:
+        return self.table.device
+
     def forward(self, batch, temperature: float = 1.0, with_entropy: bool = False):
         width = batch.response_mask.shape[1]
         pos = (batch.prompt_lengths[:, None] + torch.arange(width)[None]).clamp(

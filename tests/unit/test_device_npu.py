@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 
 from spmd_grpo.parallel.collectives import init_distributed
-from spmd_grpo.parallel.devices import empty_cache, max_memory_allocated_gb, resolve_device_type, synchronize
+from spmd_grpo.parallel.devices import (
+    empty_cache,
+    max_memory_allocated_gb,
+    memory_line,
+    resolve_device_type,
+    synchronize,
+)
 
 
 class FakeNpu(types.ModuleType):
@@ -51,6 +57,15 @@ class FakeNpu(types.ModuleType):
     def max_memory_allocated(self) -> int:
         self._record("max_memory_allocated")
         return 3 * 2**30
+
+    def memory_allocated(self) -> int:
+        return 2**30
+
+    def memory_reserved(self) -> int:
+        return 2 * 2**30
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return 58 * 2**30, 64 * 2**30  # (free, total)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
@@ -115,6 +130,14 @@ def test_memory_helpers_go_to_torch_npu(fake_npu):
     synchronize("npu")
     assert max_memory_allocated_gb("npu") == 3.0
     assert fake_npu.names() == ["empty_cache", "synchronize", "max_memory_allocated"]
+
+
+def test_the_memory_line_reports_the_drivers_figure_beside_torchs(fake_npu):
+    """What vLLM's sleep frees and its wake takes is mapped behind torch's allocator: only the driver's
+    free/total shows it."""
+    line = memory_line("npu", "rollout + sleep")
+    assert line.startswith("memory after rollout + sleep: device in use 6.00 of 64 GiB")
+    assert "(torch allocated 1.00 reserved 2.00)" in line
 
 
 def test_cpu_helpers_touch_no_device_module(fake_npu):
@@ -209,7 +232,8 @@ def test_weight_push_falls_back_to_load_weights_without_reload_weights():
         reset_mm_cache=lambda: resets.append("mm"),
     )
     world = SimpleNamespace(device_type="npu")
-    engine = RolloutEngine(llm, RolloutConfig(), world, dtype=torch.float32, tie_word_embeddings=False)
+    cfg = RolloutConfig(enable_sleep_mode=False)  # the push alone (sleep and wake: test_rollout_mode.py)
+    engine = RolloutEngine(llm, cfg, world, dtype=torch.float32, tie_word_embeddings=False)
 
     weights = [("model.embed_tokens.weight", torch.ones(2, 3)), ("lm_head.weight", torch.zeros(2, 3))]
     engine.load_weights(iter(weights), version=1)

@@ -170,3 +170,15 @@ def test_a_bf16_merged_lora_export_merges_the_fp32_adapters_as_the_weight_push_d
     assert torch.equal(got, merged_weight(w, (a, b, alpha / rank)))
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
+
+
+def test_a_merged_weight_is_computed_where_the_gathered_base_is():
+    """With `fsdp.offload_params` on an accelerator the weight push gathers the base on the accelerator while
+    the adapters' shards stay in host memory: the merge must bring the adapters to the base. (This machine
+    has no accelerator: the base is on `meta` here, the adapters on the CPU.)"""
+    from spmd_grpo.models.lora import merged_weight
+
+    base = torch.empty(6, 5, dtype=torch.bfloat16, device="meta")
+    a, b = torch.ones(2, 5), torch.ones(6, 2)
+    merged = merged_weight(base, (a, b, 0.5))
+    assert merged.device.type == "meta" and merged.dtype == torch.bfloat16 and merged.shape == (6, 5)

@@ -79,3 +79,29 @@ def test_mrope_positions_continue_after_image_for_response_tokens():
         assert (text_tail[0].diff() == 1).all()
         # The image compresses positions: the last position is smaller than the sequence length.
         assert int(pos[0, i, end - 1]) < end - 1
+
+
+def test_micro_batches_go_to_the_compute_device_not_the_parameters_device():
+    """With `fsdp.offload_params` on an accelerator, FSDP2 holds the parameter shards in host memory and
+    computes on the accelerator, where `fully_shard` put the buffers: a micro-batch built on the parameters'
+    device would meet the gathered weights on another device. This machine has no accelerator, so the
+    buffers go to `meta` here while the parameters stay on the CPU."""
+    from spmd_grpo.actor.micro_batches import collate_for
+    from spmd_grpo.actor.spec import UpdateSpec
+    from spmd_grpo.data.samples import Prompt, Sample
+
+    hf = AutoModelForImageTextToText.from_pretrained(tiny_model(), dtype=torch.float32)
+    policy = PolicyModule(hf, unsamplable_token_ids(hf.config))
+    policy.suppress_ids = policy.suppress_ids.to("meta")
+    assert next(policy.parameters()).device.type == "cpu" and policy.compute_device.type == "meta"
+    samples = [Sample(Prompt(i, []), 0, [5, 6, 7 + i], [8, 9], []) for i in range(2)]
+    spec = UpdateSpec(
+        temperature=1.0,
+        pad_token_id=0,
+        max_response_length=4,
+        mini_batch_size=2,
+        micro_batch_size=2,
+        experience_micro_batch_size=2,
+    )
+    batch = collate_for(policy, samples, spec, for_update=True)
+    assert batch.input_ids.device.type == "meta" and batch.response_mask.device.type == "meta"

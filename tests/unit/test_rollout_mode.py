@@ -2,8 +2,9 @@
 
 vLLM has no sleep mode on CPU, so the real engine cannot show the wake/sleep sequence here. The fake records
 every call in order: the tests prove the order (offload optimizer -> wake weights -> push -> wake KV ->
-generate -> sleep -> restore), that the restore also happens when generation raises, and that after a
-level-2 sleep (which discards vLLM's weights) the next wake pushes every weight again, frozen ones included.
+generate -> sleep -> restore), that a new engine is asleep so its first rollout follows that order too, that
+the restore also happens when generation raises, and that after a level-2 sleep (which discards vLLM's
+weights) the next wake pushes every weight again, frozen ones included.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 import spmd_grpo.rollout.engine as engine_mod
 from spmd_grpo.config.workers import RolloutConfig
-from spmd_grpo.rollout.engine import RolloutEngine
+from spmd_grpo.rollout.engine import RolloutEngine, move_optimizer_state
 
 
 class Policy(nn.Module):
@@ -67,10 +68,21 @@ ALL = ["language.bias", "language.weight", "visual.bias", "visual.weight"]
 TRAINABLE = ["language.bias", "language.weight"]
 
 
+def test_a_new_engine_sleeps_and_its_first_push_comes_before_the_kv_cache(events):
+    """Built awake, vLLM would hold its dummy weights and its whole KV cache from construction to the first
+    rollout (the resume's optimizer-state load included), and the first push would run beside that KV cache."""
+    engine, policy = fake_engine(events, sleep_level=1), Policy()
+    assert events == [("sleep", 1)]
+    events.clear()
+    with engine.rollout_mode(policy, 0):
+        pass
+    assert [e[0] for e in events] == ["expandable", "wake", "push", "wake", "sleep", "expandable"]
+    assert events[1:4] == [("wake", ("weights",)), ("push", ALL), ("wake", ("kv_cache",))]
+
+
 def test_order_and_full_push_after_level_2_sleep(events):
     engine, policy, optimizer = fake_engine(events, sleep_level=2), Policy(), object()
-    engine.sleep()  # asleep after start-up, as the trainer leaves it; level 2 drops the weights
-    events.clear()
+    events.clear()  # the start-up sleep; level 2 drops the (dummy) weights
     with engine.rollout_mode(policy, 1, optimizer=optimizer):
         events.append(("generate",))
     assert events == [
@@ -82,7 +94,7 @@ def test_order_and_full_push_after_level_2_sleep(events):
         ("generate",),
         ("sleep", 2),
         ("expandable", True),
-        ("optim", "cuda:0"),  # back to the device
+        ("optim", "None"),  # back to its parameters' device
     ]
     events.clear()
     with engine.rollout_mode(policy, 1):  # same version, but level 2 discarded it: push everything again
@@ -104,7 +116,7 @@ def test_sleeps_and_restores_when_generation_fails(events):
     engine, policy, optimizer = fake_engine(events, sleep_level=2), Policy(), object()
     with pytest.raises(RuntimeError, match="boom"), engine.rollout_mode(policy, 1, optimizer=optimizer):
         raise RuntimeError("boom")
-    assert events[-3:] == [("sleep", 2), ("expandable", True), ("optim", "cuda:0")]
+    assert events[-3:] == [("sleep", 2), ("expandable", True), ("optim", "None")]
 
 
 def test_failed_load_warnings_are_dropped_only_for_layers_a_partial_push_leaves_out():
@@ -132,3 +144,41 @@ def test_failed_load_warnings_are_dropped_only_for_layers_a_partial_push_leaves_
         assert shown("BrokenLinear")
     assert shown("RMSNorm")  # outside a partial push nothing is presumed
     _PUSH.failed_in_full_push.clear()
+
+
+def test_the_expandable_segments_switch_keeps_the_other_allocator_settings():
+    """Torch resets every allocator option a settings string leaves out: switching expandable segments around
+    the rollout must not drop a user's PYTORCH_CUDA_ALLOC_CONF options (the real torch setter, run here for
+    the cuda path: it only parses and stores the string)."""
+    from spmd_grpo.parallel.devices import set_expandable_segments
+
+    get, put = torch._C._accelerator_getAllocatorSettings, torch._C._accelerator_setAllocatorSettings
+    before = get()
+    put("max_split_size_mb:512,garbage_collection_threshold:0.6")
+    try:
+        set_expandable_segments("cuda", False)
+        assert get() == "max_split_size_mb:512,garbage_collection_threshold:0.6,expandable_segments:False"
+        set_expandable_segments("cuda", True)
+        assert get() == "max_split_size_mb:512,garbage_collection_threshold:0.6,expandable_segments:True"
+        set_expandable_segments("cpu", False)  # nothing to switch
+        assert get().endswith("expandable_segments:True")
+    finally:
+        put(before)
+
+
+def test_the_optimizer_state_comes_back_to_its_parameters_device(events, monkeypatch):
+    """With `fsdp.offload_params` as well, the parameters and so AdamW's state live in host memory: after the
+    rollout the state must return there, not to the accelerator (where the next step would meet CPU
+    gradients). The real move, with `meta` standing for the accelerator this machine lacks."""
+    monkeypatch.setattr(engine_mod, "move_optimizer_state", move_optimizer_state)
+    policy = Policy()
+    optimizer = torch.optim.AdamW(policy.language.parameters(), foreach=False)
+    policy.language(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # state on the CPU, beside its (host-memory) parameters
+    engine = fake_engine(events, sleep_level=2)
+    engine.world = SimpleNamespace(device_type="cuda", device=torch.device("meta"))
+    with engine.rollout_mode(policy, 1, optimizer=optimizer):
+        pass
+    states = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+    assert len(states) == 4 and all(v.device.type == "cpu" for v in states)
+    optimizer.step()  # and the next step runs
