@@ -101,4 +101,12 @@ def ignored_settings(cfg: Config, device_type: str) -> list[str]:
         )
     if device_type == "cpu" and cfg.worker.rollout.enable_sleep_mode:
         notes.append("worker.rollout.enable_sleep_mode ignored: vLLM has no sleep mode on CPU")
+    if (
+        device_type != "cpu"
+        and cfg.worker.actor.fsdp.offload_optimizer
+        and cfg.worker.actor.fsdp.offload_params
+    ):
+        notes.append(
+            "worker.actor.fsdp.offload_optimizer ignored: with offload_params the state stays in host memory"
+        )
     return notes

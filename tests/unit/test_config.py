@@ -13,7 +13,7 @@ import yaml
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import last_wins, load_config
 from spmd_grpo.config.schema import Config
-from spmd_grpo.config.validate import validate
+from spmd_grpo.config.validate import ignored_settings, validate
 from spmd_grpo.config.workers import OptimConfig
 from spmd_grpo.run.preflight import check_model_path
 
@@ -326,3 +326,17 @@ def test_yaml_merge_keys_load_as_safe_load_does(tmp_path):
     path.write_text("worker:\n  actor:\n    optim:\n      lr: 1.0e-3\n      lr: 2.0e-3\n")
     with pytest.raises(ConfigError, match="duplicate key 'lr' at line 5"):
         load_config(path, BASE)
+
+
+@pytest.mark.parametrize(
+    "device, overrides, ignored",
+    [
+        ("cpu", ["worker.actor.fsdp.offload_optimizer=true"], ["offload_optimizer", "enable_sleep_mode"]),
+        ("cuda", ["worker.actor.fsdp.offload_optimizer=true"], []),
+        ("cuda", ["worker.actor.fsdp.offload_optimizer=true", "worker.actor.fsdp.offload_params=true"],
+         ["offload_optimizer"]),
+    ],
+)  # fmt: skip
+def test_settings_with_nothing_to_do_on_the_device_are_named(device, overrides, ignored):
+    notes = ignored_settings(load_config(None, overrides), device)
+    assert [n.split(" ")[0].split(".")[-1] for n in notes] == ignored, notes
