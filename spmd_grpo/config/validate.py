@@ -94,19 +94,12 @@ def _check_across_sections(cfg: Config) -> None:
 
 def ignored_settings(cfg: Config, device_type: str) -> list[str]:
     """ "<key> ignored: <why>" for each setting that has nothing to do on `device_type` (logged once)."""
-    notes = []
-    if device_type == "cpu" and cfg.worker.actor.fsdp.offload_optimizer:
+    notes, fsdp = [], cfg.worker.actor.fsdp
+    if fsdp.offload_optimizer and (device_type == "cpu" or fsdp.offload_params):
+        where = "on CPU" if device_type == "cpu" else "with offload_params"
         notes.append(
-            "worker.actor.fsdp.offload_optimizer ignored on CPU: the optimizer state is already in host memory"
+            f"worker.actor.fsdp.offload_optimizer ignored {where}: the optimizer state is in host memory"
         )
     if device_type == "cpu" and cfg.worker.rollout.enable_sleep_mode:
         notes.append("worker.rollout.enable_sleep_mode ignored: vLLM has no sleep mode on CPU")
-    if (
-        device_type != "cpu"
-        and cfg.worker.actor.fsdp.offload_optimizer
-        and cfg.worker.actor.fsdp.offload_params
-    ):
-        notes.append(
-            "worker.actor.fsdp.offload_optimizer ignored: with offload_params the state stays in host memory"
-        )
     return notes
