@@ -129,6 +129,11 @@ class RolloutEngine:
         self.adapters = AdapterSync(adapter_lora) if adapter_lora else None
         # the tensors vLLM's loader reads (Qwen3-VL-MoE: transposed experts; Qwen3.5-MoE: one per expert)
         self.weight_layout = family_of(llm.llm_engine.model_config.hf_config).hub_tensors
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        if not hasattr(worker, "reload_weights"):  # vLLM's and vllm-ascend's workers have it
+            raise RuntimeError(
+                f"the vLLM worker {type(worker).__name__} has no reload_weights: it cannot take pushes"
+            )
         self.stats = EngineStats()
         self.asleep = False
         # Asleep from the start, as verl and EasyR1 leave a new engine: its dummy weights and KV cache would
@@ -150,11 +155,7 @@ class RolloutEngine:
         rollout, model = cfg.worker.rollout, cfg.worker.actor.model
         dtype = resolve_dtype(rollout.dtype, world.device_type)
         adapter_lora = model.lora if model.lora.enabled and rollout.lora_sync == "adapter" else None
-        if world.device_type == "cpu":
-            # vLLM's CPU backend sizes its KV cache from this variable instead of a memory fraction.
-            os.environ.setdefault(
-                "VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(rollout.kv_cache_memory_gb)))
-            )
+        set_platform_environment(rollout, world.device_type)
         routes = {}
         if cfg.worker.actor.moe.routing_replay == "rollout":  # MoE: vLLM's Model Runner V2 returns the routes
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -280,14 +281,10 @@ class RolloutEngine:
         `partial`: frozen weights are left out (vLLM keeps them; its warnings for them are dropped)."""
         start = time.perf_counter()
         counted = CountingIterator(weights)
-        worker = self.llm.llm_engine.model_executor.driver_worker.worker
-        if hasattr(worker, "reload_weights"):
-            with weight_push(partial=partial):
-                self.llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True}
-                )
-        else:  # e.g. vllm-ascend's NPU worker: load into the model directly
-            worker.model_runner.model.load_weights(counted)
+        with weight_push(partial=partial):
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True}
+            )
         self.reset_caches()
         if self.world.device_type == "cpu":
             # vLLM-CPU repacks every linear layer (oneDNN) at every push: a model-sized amount of 5-11 MiB
@@ -328,6 +325,21 @@ class RolloutEngine:
         """Each response's text, special tokens dropped: the tokenizer's decode of the whole sequence (the
         requests ask vLLM for no text; see `rollout.generate`)."""
         return self.llm.get_tokenizer().batch_decode(token_ids, skip_special_tokens=True)
+
+
+def set_platform_environment(rollout: RolloutConfig, device_type: str) -> None:
+    """The variables vLLM's platform reads when the engine is built. CPU: the KV cache size (its backend
+    sizes the cache from VLLM_CPU_KVCACHE_SPACE, not from a memory fraction). Ascend: vllm-ascend's plain
+    (ND) weight layout: its FRACTAL_NZ layout (VLLM_ASCEND_ENABLE_NZ, on by default for quantized weights)
+    would not take the trainer's ND weights, and its `wake_up` refuses to run with NZ on."""
+    if device_type == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(rollout.kv_cache_memory_gb))))
+    if device_type == "npu":
+        if os.environ.get("VLLM_ASCEND_ENABLE_NZ", "0") != "0":
+            log.warning(
+                "VLLM_ASCEND_ENABLE_NZ=%s set to 0: weight pushes are ND", os.environ["VLLM_ASCEND_ENABLE_NZ"]
+            )
+        os.environ["VLLM_ASCEND_ENABLE_NZ"] = "0"
 
 
 def _sleep_mode(cfg: RolloutConfig, world: World) -> bool:

@@ -7,6 +7,7 @@ the trainer would use on an NPU machine. Nothing here has run on a real NPU.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from dataclasses import replace
@@ -208,36 +209,38 @@ def test_reference_is_built_and_run_in_its_dtype_and_the_policy_in_fp32(
     assert calls[-1] == (True, resolve_dtype(param_dtype, device_type), param_dtype, False)
 
 
-# ---------------------------------------------------------------------- weight push fallback (rollout/engine.py)
-def test_weight_push_falls_back_to_load_weights_without_reload_weights():
-    """vllm-ascend's worker has no `reload_weights`: the push goes straight into the model's load_weights."""
+# ------------------------------------------------------------------- the engine on Ascend (rollout/engine.py)
+def test_a_vllm_worker_without_reload_weights_is_refused_when_the_engine_is_built():
+    """Every push goes through vLLM's `reload_weights` (vllm-ascend's NPUWorker has it too), which runs each
+    layer's post-load processing; a worker without it is refused at build, before the first push."""
     from spmd_grpo.config.workers import RolloutConfig
     from spmd_grpo.rollout.engine import RolloutEngine
 
-    received, resets = [], []
-    model = SimpleNamespace(load_weights=lambda weights: received.extend(weights))
-    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))  # no reload_weights attribute
-
-    def no_rpc(*args, **kwargs):
-        raise AssertionError("collective_rpc must not be used without reload_weights")
-
+    worker = SimpleNamespace(model_runner=SimpleNamespace())  # no reload_weights attribute
     llm = SimpleNamespace(
         llm_engine=SimpleNamespace(
             model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)),
-            reset_encoder_cache=lambda: resets.append("encoder"),
             model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen2_5_vl")),
-        ),
-        collective_rpc=no_rpc,
-        reset_prefix_cache=lambda: resets.append("prefix"),
-        reset_mm_cache=lambda: resets.append("mm"),
+        )
     )
-    world = SimpleNamespace(device_type="npu")
-    cfg = RolloutConfig(enable_sleep_mode=False)  # the push alone (sleep and wake: test_rollout_mode.py)
-    engine = RolloutEngine(llm, cfg, world, dtype=torch.float32, tie_word_embeddings=False)
+    with pytest.raises(RuntimeError, match="SimpleNamespace has no reload_weights"):
+        RolloutEngine(llm, RolloutConfig(), SimpleNamespace(device_type="npu"), dtype=torch.float32,
+                      tie_word_embeddings=False)  # fmt: skip
 
-    weights = [("model.embed_tokens.weight", torch.ones(2, 3)), ("lm_head.weight", torch.zeros(2, 3))]
-    engine.load_weights(iter(weights), version=1)
 
-    assert [name for name, _ in received] == ["model.embed_tokens.weight", "lm_head.weight"]
-    assert sorted(resets) == ["encoder", "mm", "prefix"]
-    assert engine.stats.synced_version == 1 and engine.stats.last_sync_bytes == 2 * 6 * 4
+@pytest.mark.parametrize("before", [None, "1", "0"])
+def test_vllm_ascend_gets_the_plain_weight_layout(monkeypatch, before):
+    """vllm-ascend's FRACTAL_NZ layout is off for the engine whatever the environment said (its wake_up
+    refuses to run with it on, and the pushes are plain ND weights); other devices' settings are untouched."""
+    from spmd_grpo.config.workers import RolloutConfig
+    from spmd_grpo.rollout.engine import set_platform_environment
+
+    for name, value in (("VLLM_ASCEND_ENABLE_NZ", before), ("VLLM_CPU_KVCACHE_SPACE", None)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    set_platform_environment(RolloutConfig(), "npu")
+    assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "0" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    set_platform_environment(RolloutConfig(kv_cache_memory_gb=2.5), "cpu")
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
