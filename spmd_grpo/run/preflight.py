@@ -66,7 +66,10 @@ def check_sleep_mode_allocator(cfg: Config) -> None:
 
 
 def check_routing_replay(cfg: Config) -> None:
-    """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build or Ascend."""
+    """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build. Ascend is refused on
+    purpose though vllm-ascend's own V1 runner also returns routes: the engine turns vLLM's V2 runner on for
+    them (VLLM_USE_V2_MODEL_RUNNER), which on Ascend selects vllm-ascend's V2 runner, in development there
+    ("some features doesn't work"), and the path has not been run on an NPU."""
     if cfg.worker.actor.moe.routing_replay != "rollout":
         return
     from importlib.metadata import PackageNotFoundError, distribution
