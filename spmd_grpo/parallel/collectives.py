@@ -19,6 +19,11 @@ Ascend NPUs (`torch_npu` + vllm-ascend; only tested here against a fake `torch_n
     model's buffers to host memory at a level-2 sleep and restores them at the next wake, and every weight is
     pushed after a level-2 sleep here anyway, so level 2 is expected to work too (not run on an NPU); level
     1 stays the template's default, as verl's.
+  * No NPU kernel patches, unlike verl (models/transformers/npu_patch.py: torch_npu's fused RMSNorm, SwiGLU,
+    rotary and grouped-matmul MoE experts): the transformers modules run as written, the same math, slower.
+    Attention is transformers' own `flash_attention_2`, which it maps to torch_npu's `npu_fusion_attention`
+    (varlen through `cu_seqlens`); MoE experts use `F.grouped_mm` only where a probe finds it runs
+    (models/moe/experts.py), otherwise one matmul per expert.
   * vllm-ascend's sleep mode refuses `expandable_segments:True` in PYTORCH_NPU_ALLOC_CONF (checked at
     start-up: `devices.sleep_mode_allocator_error`); on npu the allocator option is never switched at run
     time (`set_expandable_segments` is CUDA only, as verl's).
