@@ -14,7 +14,19 @@ Ascend NPUs (`torch_npu` + vllm-ascend; only tested here against a fake `torch_n
   * The process group is created without `device_id` on npu (no eager communicator init), as verl does;
     on cuda `device_id` binds NCCL eagerly.
   * vLLM sleep level 1 (weights offloaded to host memory) is what verl uses on npu (launch/slurm/train_npu.sbatch
-    sets `worker.rollout.sleep_level=1`), 2 on cuda (the config default).
+    sets `worker.rollout.sleep_level=1`), 2 on cuda (the config default). verl's reason ("sleep_mode=2 is
+    not supported on vllm-ascend") predates vllm-ascend's level-2 support: its NPUWorker now copies the
+    model's buffers to host memory at a level-2 sleep and restores them at the next wake, and every weight is
+    pushed after a level-2 sleep here anyway, so level 2 is expected to work too (not run on an NPU); level
+    1 stays the template's default, as verl's.
+  * No NPU kernel patches, unlike verl (models/transformers/npu_patch.py: torch_npu's fused RMSNorm, SwiGLU,
+    rotary and grouped-matmul MoE experts): the transformers modules run as written, the same math, slower.
+    Attention is transformers' own `flash_attention_2`, which it maps to torch_npu's `npu_fusion_attention`
+    (varlen through `cu_seqlens`); MoE experts use `F.grouped_mm` only where a probe finds it runs
+    (models/moe/experts.py), otherwise one matmul per expert.
+  * vllm-ascend's sleep mode refuses `expandable_segments:True` in PYTORCH_NPU_ALLOC_CONF (checked at
+    start-up: `devices.sleep_mode_allocator_error`); on npu the allocator option is never switched at run
+    time (`set_expandable_segments` is CUDA only, as verl's).
   * Models that are only ever run forward are built directly in their compute dtype (models/build.py), so no
     sharded DTensor is ever cast for them (torch_npu cannot cast sharded DTensors). The policy keeps fp32
     master weights on every device (the optimizer must not step in bf16) and is cast only inside FSDP2's

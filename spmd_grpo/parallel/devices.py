@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import random
+from collections.abc import Mapping
 from types import ModuleType
 
 import numpy as np
@@ -100,6 +101,26 @@ def set_expandable_segments(device_type: str, enabled: bool) -> None:
             f for f in current.split(",") if f.strip() and f.split(":")[0].strip() != "expandable_segments"
         ]
         torch._C._accelerator_setAllocatorSettings(",".join([*kept, f"expandable_segments:{enabled}"]))
+
+
+def sleep_mode_allocator_error(device_type: str, environ: Mapping[str, str]) -> str | None:
+    """Why vLLM's sleep mode cannot start under this process's allocator settings, or None.
+
+    Ascend: vllm-ascend's sleep-mode pool (`CaMemAllocator`, built with the engine) asserts that
+    PYTORCH_NPU_ALLOC_CONF does not contain `expandable_segments:True` (a memory pool cannot live beside
+    expandable segments). The assertion reads the variable itself, not the live allocator, so unlike CUDA
+    (`set_expandable_segments`, a run-time switch around the rollout) the option must be absent from the
+    environment from the start (the NPU template leaves it out). Other devices: None."""
+    if device_type != "npu":
+        return None
+    setting = environ.get("PYTORCH_NPU_ALLOC_CONF", "")
+    options = {f.split(":")[0].strip(): f.partition(":")[2].strip() for f in setting.split(",") if f.strip()}
+    if options.get("expandable_segments") == "True":
+        return (
+            f"PYTORCH_NPU_ALLOC_CONF={setting!r} turns on expandable_segments, which vllm-ascend's sleep mode "
+            "refuses (its memory pool asserts at engine build); remove that option"
+        )
+    return None
 
 
 def memory_line(device_type: str, phase: str) -> str:

@@ -174,6 +174,7 @@ class RolloutEngine:
             logits_processors=[suppress_vision_tokens_processor()],
             **host_side_image_normalisation(),
             **(vllm_lora_kwargs(adapter_lora) if adapter_lora else {}),
+            **platform_llm_kwargs(world.device_type),
             **routes,
         )
         if world.device_type == "cpu":
@@ -340,6 +341,27 @@ def set_platform_environment(rollout: RolloutConfig, device_type: str) -> None:
                 "VLLM_ASCEND_ENABLE_NZ=%s set to 0: weight pushes are ND", os.environ["VLLM_ASCEND_ENABLE_NZ"]
             )
         os.environ["VLLM_ASCEND_ENABLE_NZ"] = "0"
+
+
+def platform_llm_kwargs(device_type: str) -> dict:
+    """`vllm.LLM` arguments for one platform's plugin. Ascend: `additional_config={"weight_nz_mode": 0}`,
+    the plain (ND) weight layout as vllm-ascend's own setting. Its AscendConfig reads `weight_nz_mode` from
+    additional_config first and falls back to VLLM_ASCEND_ENABLE_NZ only with a deprecation warning ("will be
+    removed in the next release"), default 1; its `NPUWorker.wake_up` raises for any non-zero mode, so a
+    release without the variable would fail at the first wake while the environment still said 0. Releases
+    that predate the key ignore it (additional_config is read key by key). `set_platform_environment` still
+    sets the variable for those.
+
+    vllm-ascend's `additional_config.rl_config` is left off, a deliberate difference from its sleep-mode guide:
+    its `enable_batch_invariant` registers batch-invariant kernels over aten ops and turns on
+    `torch.use_deterministic_algorithms` and HCCL_DETERMINISTIC=strict, all process-wide, and the engine
+    lives in the trainer's process, so the trainer's kernels would change with it; `sleep_mode_extra_cleanup`
+    destroys and rebuilds vLLM's HCCL groups at every sleep and wake (less memory asleep, slower wake);
+    `enable_training_consistency` selects an FA3 backend that needs the separate `flash_attn_npu_v3`
+    package; `enabled` alone would set weight_nz_mode 0 (done here) and drop expandable_segments from
+    PYTORCH_NPU_ALLOC_CONF while the trainer's allocator keeps the option it started with (refused at
+    start-up instead: `devices.sleep_mode_allocator_error`)."""
+    return {"additional_config": {"weight_nz_mode": 0}} if device_type == "npu" else {}
 
 
 def _sleep_mode(cfg: RolloutConfig, world: World) -> bool:

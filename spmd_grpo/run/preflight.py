@@ -5,7 +5,8 @@ preflight_data.py), the model and tokenizer (a local checkpoint directory or a h
 when the id must be downloaded; a local one holds its safetensors files and a chat template for its
 processor), the model's family and LoRA targets (from its config.json on the meta device), the reward file
 (read, then imported, its function callable with the batch), the resume directory, and an installed vLLM
-that can return routed experts when routing replay takes vLLM's routes. Each failure is a `ConfigError`
+that can return routed experts when routing replay takes vLLM's routes, and allocator settings that vLLM's
+sleep mode accepts on the device (Ascend: no expandable segments). Each failure is a `ConfigError`
 naming the key.
 """
 
@@ -50,10 +51,25 @@ def preflight(cfg: Config) -> None:
     check_chat_template(f"worker.actor.model.{source}", getattr(model, source))
     check_lora_targets(cfg)
     check_routing_replay(cfg)
+    check_sleep_mode_allocator(cfg)
+
+
+def check_sleep_mode_allocator(cfg: Config) -> None:
+    """An allocator setting vLLM's sleep mode refuses on this device (Ascend: expandable segments) stops
+    here, not when the engine is built after both models have loaded."""
+    if not cfg.worker.rollout.enable_sleep_mode or cfg.trainer.device not in ("auto", "npu"):
+        return
+    from spmd_grpo.parallel.devices import resolve_device_type, sleep_mode_allocator_error
+
+    error = sleep_mode_allocator_error(resolve_device_type(cfg.trainer.device), os.environ)
+    require(not error, f"worker.rollout.enable_sleep_mode=true: {error}, or set it false")
 
 
 def check_routing_replay(cfg: Config) -> None:
-    """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build or Ascend."""
+    """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build. Ascend is refused on
+    purpose though vllm-ascend's own V1 runner also returns routes: the engine turns vLLM's V2 runner on for
+    them (VLLM_USE_V2_MODEL_RUNNER), which on Ascend selects vllm-ascend's V2 runner, in development there
+    ("some features doesn't work"), and the path has not been run on an NPU."""
     if cfg.worker.actor.moe.routing_replay != "rollout":
         return
     from importlib.metadata import PackageNotFoundError, distribution

@@ -244,3 +244,58 @@ def test_vllm_ascend_gets_the_plain_weight_layout(monkeypatch, before):
     assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "0" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     set_platform_environment(RolloutConfig(kv_cache_memory_gb=2.5), "cpu")
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+def test_vllm_ascend_gets_nz_mode_0_in_its_own_config():
+    """vllm-ascend reads weight_nz_mode from additional_config first; VLLM_ASCEND_ENABLE_NZ is only its
+    deprecated fallback (default 1, and its wake_up raises for any non-zero mode). vLLM takes the argument."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from spmd_grpo.rollout.engine import platform_llm_kwargs
+
+    assert platform_llm_kwargs("npu") == {"additional_config": {"weight_nz_mode": 0}}
+    assert platform_llm_kwargs("cuda") == platform_llm_kwargs("cpu") == {}
+    assert "additional_config" in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+@pytest.mark.parametrize(
+    ("setting", "refused"),
+    [
+        ("expandable_segments:True", True),
+        ("max_split_size_mb:128, expandable_segments:True", True),
+        ("expandable_segments:False", False),
+        ("max_split_size_mb:128", False),
+        (None, False),
+    ],
+)
+def test_sleep_mode_refuses_expandable_segments_on_ascend_at_start_up(
+    fake_npu, monkeypatch, setting, refused
+):
+    """vllm-ascend's sleep-mode pool asserts on expandable_segments:True in PYTORCH_NPU_ALLOC_CONF when the
+    engine is built (after both models loaded), and torch_npu reads the variable only once: refused in
+    preflight, naming the key, unless sleep mode is off. CUDA switches the option at run time instead."""
+    from spmd_grpo.config.checks import ConfigError
+    from spmd_grpo.config.loader import load_config
+    from spmd_grpo.parallel.devices import sleep_mode_allocator_error
+    from spmd_grpo.run.preflight import check_sleep_mode_allocator
+
+    env = {} if setting is None else {"PYTORCH_NPU_ALLOC_CONF": setting}
+    assert (sleep_mode_allocator_error("npu", env) is not None) == refused
+    assert sleep_mode_allocator_error("cuda", env) is None
+    if setting is None:
+        monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", setting)
+    cfg = load_config(None, ["trainer.device=npu"])
+    if refused:
+        with pytest.raises(
+            ConfigError, match="worker.rollout.enable_sleep_mode=true: PYTORCH_NPU_ALLOC_CONF"
+        ):
+            check_sleep_mode_allocator(cfg)
+    else:
+        check_sleep_mode_allocator(cfg)
+    check_sleep_mode_allocator(
+        load_config(None, ["trainer.device=npu", "worker.rollout.enable_sleep_mode=false"])
+    )
