@@ -53,9 +53,20 @@ def preflight(cfg: Config) -> None:
 
 
 def check_routing_replay(cfg: Config) -> None:
-    """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build or Ascend."""
+    """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build or Ascend; and vLLM's
+    prefix caching, which the engine turns off for a model with linear-attention layers (Qwen3.5)."""
     if cfg.worker.actor.moe.routing_replay != "rollout":
         return
+    from spmd_grpo.models.families import family_of_model_path
+
+    model_path = cfg.worker.actor.model.model_path
+    hybrid = (family := family_of_model_path(model_path)) is not None and family.linear_attention is not None
+    require(
+        not hybrid,
+        f"worker.actor.moe.routing_replay=rollout cannot serve worker.actor.model.model_path={model_path!r} "
+        "(linear-attention layers): vLLM 0.32 returns routed experts only with prefix caching on, which for "
+        "such a model needs chunked prefill, which the engine keeps off; use old or none",
+    )
     from importlib.metadata import PackageNotFoundError, distribution
 
     try:
