@@ -84,6 +84,13 @@ def _check_across_sections(cfg: Config) -> None:
         "algorithm.rollout_correction.rollout_rs; auto takes them from the update where that holds",
     )
     require(
+        a.moe.routing_replay != "rollout" or cfg.worker.rollout.tensor_parallel_size == 1,
+        "worker.actor.moe.routing_replay=rollout needs worker.rollout.tensor_parallel_size=1 (got "
+        f"{cfg.worker.rollout.tensor_parallel_size}): vLLM 0.32 returns routed experts from the first rank of a "
+        "TP group only, and under torchrun every rank's own scheduler asks its worker for them (an assertion "
+        "fails on the other ranks at the first step); use old or none",
+    )
+    require(
         not fg.enable
         or cfg.worker.reward.reward_function not in BUILTIN_REWARDS
         or fg.metric in BUILTIN_REWARD_KEYS,

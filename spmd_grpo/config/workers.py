@@ -111,8 +111,11 @@ class MoEConfig:
     routing_replay: Literal["none", "old", "rollout"] = "none"
     """The experts the trainer's passes use. none: each pass routes by its own top-k; old: the reference and
     the update use those of the old-logprob pass (GSPO's routing replay: the step-start ratio compares one
-    sub-network); rollout: those vLLM chose (R3, arXiv 2510.11370; CUDA only). The used experts' router
-    probabilities stay differentiable; `moe/route_diff/<pass>` logs the fraction of decisions that differ."""
+    sub-network); rollout: those vLLM chose (R3, arXiv 2510.11370; CUDA only, with
+    worker.rollout.tensor_parallel_size 1, not for Qwen3.5-MoE: vLLM 0.32 returns them from a TP group's
+    first rank only, and only with prefix caching, which the engine keeps off for linear attention). The
+    used experts' router probabilities stay differentiable; `moe/route_diff/<pass>` logs the fraction of
+    decisions that differ."""
     router_aux_loss_coef: c.NonNegativeFloat | None = None
     """Weight of the router's load-balancing loss (`actor/router_aux_loss`). None: the model config's
     `router_aux_loss_coef` if its `output_router_logits` is true, else 0 (the RL default)."""

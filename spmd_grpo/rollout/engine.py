@@ -158,6 +158,8 @@ class RolloutEngine:
         set_platform_environment(rollout, world.device_type)
         routes = {}
         if cfg.worker.actor.moe.routing_replay == "rollout":  # MoE: vLLM's Model Runner V2 returns the routes
+            # (with prefix caching on and TP 1, which the config checks ensure). Its capture buffer is allocated
+            # in the sleep allocator's "runtime" pool, which vLLM keeps in host memory at both sleep levels.
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             routes = {"enable_return_routed_experts": True}
         llm = LLM(

@@ -25,22 +25,32 @@ from spmd_grpo.models.policy import unsamplable_token_ids
 
 
 def suppress_vision_tokens_processor():
+    """The logits processor class that sets the vision special tokens' logits to -inf for every request.
+
+    vLLM 0.32 has two model runners with two logits-processor interfaces, and which one runs is vLLM's
+    choice at engine build: V1 (the CPU build; CUDA with VLLM_USE_V2_MODEL_RUNNER=0) builds a processor with
+    (vllm_config, device, is_pin_memory) and calls apply(logits); V2 (the CUDA default, and the runner that
+    returns routed experts) builds it with (vllm_config, req_states), calls apply(logits, ctx), and refuses at
+    engine build a class that does not derive from its own base. One class derives from both."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as RunnerV2LogitsProcessor
 
-    class SuppressVisionTokens(LogitsProcessor):
-        """Set the vision special tokens' logits to -inf for every request."""
-
-        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+    class SuppressVisionTokens(LogitsProcessor, RunnerV2LogitsProcessor):
+        def __init__(self, vllm_config, device_or_req_states, is_pin_memory: bool = False) -> None:
+            device = getattr(device_or_req_states, "device", device_or_req_states)  # V2: the request states
             ids = unsamplable_token_ids(vllm_config.model_config.hf_config)
             self.ids = torch.tensor(ids, dtype=torch.long, device=device)
 
-        def is_argmax_invariant(self) -> bool:
+        def is_argmax_invariant(self) -> bool:  # V1
             return False
 
-        def update_state(self, batch_update) -> None:
+        def update_state(self, batch_update) -> None:  # V1
             pass
 
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        def add_request(self, req_idx: int, sampling_params) -> bool:  # V2: every request is processed
+            return True
+
+        def apply(self, logits: torch.Tensor, ctx=None) -> torch.Tensor:  # V2 passes the batch layout
             logits.index_fill_(1, self.ids, float("-inf"))
             return logits
 

@@ -69,9 +69,20 @@ def check_routing_replay(cfg: Config) -> None:
     """Routes from vLLM need its V2 model runner (Triton): CUDA, not the CPU build. Ascend is refused on
     purpose though vllm-ascend's own V1 runner also returns routes: the engine turns vLLM's V2 runner on for
     them (VLLM_USE_V2_MODEL_RUNNER), which on Ascend selects vllm-ascend's V2 runner, in development there
-    ("some features doesn't work"), and the path has not been run on an NPU."""
+    ("some features doesn't work"), and the path has not been run on an NPU. They also need vLLM's prefix
+    caching, which the engine turns off for a model with linear-attention layers (Qwen3.5)."""
     if cfg.worker.actor.moe.routing_replay != "rollout":
         return
+    from spmd_grpo.models.families import family_of_model_path
+
+    model_path = cfg.worker.actor.model.model_path
+    hybrid = (family := family_of_model_path(model_path)) is not None and family.linear_attention is not None
+    require(
+        not hybrid,
+        f"worker.actor.moe.routing_replay=rollout cannot serve worker.actor.model.model_path={model_path!r} "
+        "(linear-attention layers): vLLM 0.32 returns routed experts only with prefix caching on, which for "
+        "such a model needs chunked prefill, which the engine keeps off; use old or none",
+    )
     from importlib.metadata import PackageNotFoundError, distribution
 
     try:

@@ -64,7 +64,7 @@ def main() -> None:
     )
     with engine.rollout_mode(policy, 0):
         samples = generate(engine, make_prompts(processor, world.rank, 2), sampling, step=0)
-    attach_pixel_values(samples, processor.image_processor)
+    attach_pixel_values(samples, processor.image_processor, sizes)
     spec = UpdateSpec.from_config(cfg, world_size=1, pad_token_id=processor.tokenizer.pad_token_id)
     replayed = compute_logprobs(policy, samples, spec)
     diff = policy.moe.take_metrics()["diff/old"].tolist()

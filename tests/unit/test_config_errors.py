@@ -71,6 +71,7 @@ def files(tmp_path_factory) -> Path:
     (root / "llava" / "config.json").write_text('{"model_type": "llava"}')
     for name, config in [  # the new families' config.json as the checks read them (no weights needed)
         ("qwen3_5", '{"model_type": "qwen3_5"}'),
+        ("qwen3_5_moe", '{"model_type": "qwen3_5_moe"}'),
         ("qwen3_vl_moe", '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": true}}'),
         ("moe_no_renorm", '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": false}}'),
         (
@@ -298,6 +299,11 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
     ),
 ]
 VALUE_ROWS = [
+    # routes from vLLM come from the first rank of a TP group only
+    (
+        [f"{A}moe.routing_replay=rollout", "worker.rollout.tensor_parallel_size=2"],
+        f"{A}moe.routing_replay=rollout needs worker.rollout.tensor_parallel_size=1",
+    ),
     # data
     (["data.train_files=builtin:colour"], "data.train_files"),
     (["data.train_files="], "data.train_files"),
@@ -511,6 +517,21 @@ def test_value_mistakes_are_caught_without_the_files(files, overrides, key):
         validate(load_config(cfg_path, [*base, *overrides]), 2)
     assert key in str(e.value) and "\n" not in str(e.value)
     validate(load_config(cfg_path, base), 2)  # the control: the base passes without its files
+
+
+def test_routes_from_vllm_are_refused_for_a_model_with_linear_attention(files):
+    """vLLM returns routed experts only with prefix caching, which the engine keeps off for Qwen3.5's hybrid
+    layers: refused before the build (whatever vLLM build is installed); Qwen3-VL-MoE gets past that rule."""
+    from spmd_grpo.run.preflight import check_routing_replay
+
+    def check(model: str) -> str:
+        overrides = [f"{A}model.model_path={files / model}", f"{A}moe.routing_replay=rollout"]
+        with pytest.raises(ConfigError) as e:
+            check_routing_replay(load_config(files / "base.yaml", overrides))
+        return str(e.value)
+
+    assert "prefix caching" in check("qwen3_5_moe")
+    assert "prefix caching" not in check("qwen3_vl_moe")  # here: the CPU build's refusal
 
 
 def test_a_config_path_that_is_not_a_utf8_file_is_named(cli, files, capsys):
