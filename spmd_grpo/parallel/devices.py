@@ -96,11 +96,15 @@ def set_expandable_segments(device_type: str, enabled: bool) -> None:
     PYTORCH_CUDA_ALLOC_CONF) at the first rollout. The current string is read back and rewritten with the
     option replaced, as vLLM does around its own pool."""
     if device_type == "cuda":
-        current = torch._C._accelerator_getAllocatorSettings()
-        kept = [
-            f for f in current.split(",") if f.strip() and f.split(":")[0].strip() != "expandable_segments"
-        ]
-        torch._C._accelerator_setAllocatorSettings(",".join([*kept, f"expandable_segments:{enabled}"]))
+        options = allocator_options(torch._C._accelerator_getAllocatorSettings())
+        options.pop("expandable_segments", None)
+        options["expandable_segments"] = str(enabled)
+        torch._C._accelerator_setAllocatorSettings(",".join(f"{k}:{v}" for k, v in options.items()))
+
+
+def allocator_options(setting: str) -> dict[str, str]:
+    """A PYTORCH_*_ALLOC_CONF-style settings string (`key:value,key:value`) as {key: value}, in order."""
+    return {f.split(":")[0].strip(): f.partition(":")[2].strip() for f in setting.split(",") if f.strip()}
 
 
 def sleep_mode_allocator_error(device_type: str, environ: Mapping[str, str]) -> str | None:
@@ -114,8 +118,7 @@ def sleep_mode_allocator_error(device_type: str, environ: Mapping[str, str]) -> 
     if device_type != "npu":
         return None
     setting = environ.get("PYTORCH_NPU_ALLOC_CONF", "")
-    options = {f.split(":")[0].strip(): f.partition(":")[2].strip() for f in setting.split(",") if f.strip()}
-    if options.get("expandable_segments") == "True":
+    if allocator_options(setting).get("expandable_segments") == "True":
         return (
             f"PYTORCH_NPU_ALLOC_CONF={setting!r} turns on expandable_segments, which vllm-ascend's sleep mode "
             "refuses (its memory pool asserts at engine build); remove that option"
