@@ -284,6 +284,11 @@ def _open_parquet_files(files: list[Path], cfg: DataConfig) -> tuple[list[Rows],
     return opened, unreadable
 
 
+def parquet_files(path: Path) -> list[Path]:
+    """The parquet files of a local source: the file itself, or a directory's `*.parquet` in name order."""
+    return sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+
+
 def open_sources(source: str, cfg: DataConfig, split: str) -> tuple[list[Rows], list[tuple[str, str]]]:
     """The rows of `source`, opened (parquet: footers only; hub: memory-mapped; builtin: generated), and the
     files of a directory that cannot be opened, with why."""
@@ -303,7 +308,7 @@ def open_sources(source: str, cfg: DataConfig, split: str) -> tuple[list[Rows], 
         return [_MemoryRows(source, makers[task](cfg.num_builtin_examples, seed), task, cfg)], []
     path = Path(source).expanduser()
     if path.is_dir() or path.is_file():
-        files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+        files = parquet_files(path)
         if not files:
             raise ValueError(f"no *.parquet files in directory {source}")
         return _open_parquet_files(files, cfg)

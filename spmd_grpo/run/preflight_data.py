@@ -138,7 +138,9 @@ def count_rows(source: str, num_builtin_examples: int) -> int | None:
         return None
     import pyarrow.parquet as pq
 
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    from spmd_grpo.data.sources import parquet_files
+
+    files = parquet_files(path)
     rows, unreadable = 0, []
     for file in files:
         try:
@@ -193,7 +195,9 @@ def check_columns(key: str, source: str, d: DataConfig) -> None:
         return
     import pyarrow.parquet as pq
 
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    from spmd_grpo.data.sources import parquet_files
+
+    files = parquet_files(path)
     lacking, readable = [], 0
     for file in files:
         try:
