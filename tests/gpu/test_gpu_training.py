@@ -22,14 +22,9 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model, torchrun
+from tests.distributed.test_update_invariance import _max_rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)")
-
-
-def _max_rel(a: dict, b: dict) -> float:
-    return max(
-        ((a[n] - b[n]).norm() / a[n].norm()).item() for n in a if not n.startswith("__") and a[n].norm() > 0
-    )
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5_moe"])
