@@ -1,9 +1,6 @@
-"""`ConfigError`, the field types the config sections declare their ranges with, and the built-in names.
-
-Every integer key is a C int (the sizes and token counts vLLM and torch take; durations in seconds, which
-`datetime.timedelta` and `time.sleep` take); every float key meets float32 tensors, so it is finite and
-within float32's range. A float key takes a numeric string (YAML 1.1 reads `1e-6` as one); a bool is
-never a number.
+"""`ConfigError`, the field types the sections declare their ranges with, and the built-in names. Every integer
+is a C int (the sizes vLLM and torch take, seconds for `timedelta`) and every float finite within float32 (it
+meets float32 tensors); a float key takes a numeric string (YAML 1.1 reads `1e-6` as one); a bool is no number.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Loading a config: YAML file + dotted command-line overrides -> the frozen `Config`, validated by pydantic.
+"""`load_config`: YAML file + dotted command-line overrides -> the frozen `Config`, validated by pydantic.
 
-What pydantic does not do is here: a key repeated in one YAML mapping or on the command line is refused
-(YAML merge keys `<<:` load as `yaml.safe_load` loads them); a mapping given to a section on the command
-line (`worker.actor.optim={weight_decay: 0.0}`) merges into it, as Hydra/OmegaConf merge; `null` for a
-section is refused at any depth of an override (it would reset the section's keys to their defaults) and
-means "the defaults" for an empty section in the file; pydantic's errors become one line naming the dotted
-key, an unknown key with the closest valid one, a removed option with what replaces it.
+Here is what pydantic does not do: a key repeated in one YAML mapping or on the command line is refused; a
+mapping override merges into its section (as OmegaConf's), `null` for a section is refused in an override (it
+would reset the section) and means its defaults in the file; pydantic's errors become one line naming the
+dotted key, with the closest valid key for an unknown one and the replacement of a removed one.
 """
 
 from __future__ import annotations
@@ -157,12 +155,14 @@ def section_type(dotted: str) -> Any:
     return tp if key == dotted else None
 
 
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the schema, in declaration order."""
+def all_keys(cls: type = Config, prefix: str = "", sections: bool = False) -> list[str]:
+    """Every dotted leaf key of the schema (and section, with `sections`), in declaration order."""
     keys = []
     for name, info in cls.__pydantic_fields__.items():
-        tp = info.annotation
-        keys += all_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
+        if not dataclasses.is_dataclass(info.annotation):
+            keys.append(f"{prefix}{name}")
+        else:
+            keys += [f"{prefix}{name}"] * sections + all_keys(info.annotation, f"{prefix}{name}.", sections)
     return keys
 
 
@@ -218,16 +218,9 @@ def describe_type(tp: Any) -> str:
 
 
 def _suggest(dotted: str) -> str:
-    """Closest valid key: among this section's keys first, then among every dotted key of the schema."""
-    prefix, _, key = dotted.rpartition(".")
-    section = section_type(prefix) if prefix else Config
-    local = (
-        difflib.get_close_matches(key, list(section.__pydantic_fields__), n=1, cutoff=0.6) if section else []
-    )
-    if local:
-        return f"; did you mean {prefix + '.' if prefix else ''}{local[0]}?"
-    everywhere = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6)
-    return f"; did you mean {everywhere[0]}?" if everywhere else ""
+    """The closest dotted key or section of the schema (a misspelt key, or one in the wrong section)."""
+    match = difflib.get_close_matches(dotted, all_keys(sections=True), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]}?" if match else ""
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

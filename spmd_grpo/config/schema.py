@@ -1,20 +1,14 @@
-"""The top-level sections (`data`, `algorithm`, `trainer`) and the root `Config` (field types: `checks` as `c`).
-
-Section names follow EasyR1/verl. Deviations from EasyR1's schema: `algorithm.norm_adv_by_std_in_grpo` is
-verl's name (with a third value, `batch`); DAPO's switches live under `algorithm.filter_groups` and
-`algorithm.overlong_buffer` (verl: `reward_model.overlong_buffer`). Values derived from several fields
-(`Config.max_model_len`, `num_train_groups`, `total_steps`) are computed here and nowhere else.
-"""
+"""The sections `data`, `algorithm`, `trainer` and the root `Config`, with the values derived from several
+fields. Names follow EasyR1/verl; deviations: `norm_adv_by_std_in_grpo` (verl's) takes a third value `batch`;
+DAPO's switches are `algorithm.filter_groups` and `algorithm.overlong_buffer` (verl: `reward_model.*`)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 import spmd_grpo.config.checks as c
@@ -61,8 +55,8 @@ class DataConfig:
     max_pixels: c.Positive = 262144
     """See `min_pixels`."""
     video_key: c.NonEmpty = "videos"
-    """Column of the videos (file paths or encoded bytes), one `<video>` marker each in the problem. Frames are
-    sampled and resized by qwen-vl-utils' rules with the keys below (None: its default for the model)."""
+    """Column of the videos (paths or bytes), one `<video>` marker each; frames by qwen-vl-utils' rules with
+    the keys below (None: its default)."""
     video_fps: c.PositiveFloat | None = None
     """Frames sampled per second (qwen_vl_utils FPS)."""
     video_min_frames: c.Positive | None = None
@@ -72,7 +66,7 @@ class DataConfig:
     video_min_pixels: c.Positive | None = None
     """Pixels per frame at least (VIDEO_MIN_TOKEN_NUM x factor^2)."""
     video_max_pixels: c.Positive | None = None
-    """Pixels per frame at most (VIDEO_MAX_TOKEN_NUM x factor^2), lowered for long videos by the total."""
+    """Pixels per frame at most (VIDEO_MAX_TOKEN_NUM x factor^2), lowered by the total below."""
     video_total_pixels: c.Positive | None = None
     """Pixels of all frames of a video together (MODEL_SEQ_LEN x factor^2 x 0.9)."""
     shuffle: c.Bool = True
@@ -101,8 +95,7 @@ class FilterGroupsConfig:
     """DAPO dynamic sampling (Yu et al. 2025, sec. 3.2)."""
 
     enable: c.Bool = False
-    """Drop groups whose `metric` is equal for all their samples, generating until enough are kept; the kept
-    samples are rebalanced so every rank trains on the same number."""
+    """Drop groups whose `metric` is equal for all samples, generating until enough are kept (rebalanced)."""
     metric: c.NonEmpty = "accuracy"
     """Reward key whose spread keeps a group (`accuracy`, `overall`, or a custom reward's key)."""
     max_num_gen_batches: c.Int = 10
@@ -125,16 +118,14 @@ class OverlongBufferConfig:
 
 @dataclass(config=c.SECTION)
 class RolloutCorrectionConfig:
-    """verl's rollout correction: importance weights and rejection for the gap between vLLM's sampling
-    distribution and the trainer's old policy (formulas in algorithm/correction.py)."""
+    """verl's rollout correction of vLLM's sampling vs the old policy (formulas: algorithm/correction.py)."""
 
     rollout_is: Literal["token", "sequence"] | None = None
     """IS weight level (null: off); weights are truncated at rollout_is_threshold (TIS)."""
     rollout_is_threshold: Annotated[c.Float, Field(ge=1)] = 2.0
     """TIS cap C: w = min(pi_old / pi_rollout, C)."""
     rollout_rs: Literal["token", "sequence", "geometric"] | None = None
-    """Rejection level (null: off): tokens or sequences whose ratio lies outside [lower, rollout_rs_threshold]
-    leave the loss and its normaliser."""
+    """Rejection level (null: off): ratios outside [lower, rollout_rs_threshold] leave loss and normaliser."""
     rollout_rs_threshold: Annotated[c.Float, Field(ge=1)] = 2.0
     """The upper bound."""
     rollout_rs_threshold_lower: Annotated[c.Float, Field(gt=0, le=1)] | None = None
@@ -146,8 +137,8 @@ class AlgorithmConfig:
     adv_estimator: Literal["grpo"] = "grpo"
     """Group-relative advantages (GRPO), normalised as norm_adv_by_std_in_grpo says."""
     norm_adv_by_std_in_grpo: c.Bool | Literal["batch"] = True
-    """true: (s - group mean) / (group std + adv_eps) (GRPO); false: s - group mean (Dr.GRPO); batch: the std
-    of the whole global batch instead (TRL's scale_rewards=batch; not in verl)."""
+    """true: (s - group mean) / (group std + adv_eps) (GRPO); false: s - group mean (Dr.GRPO); batch: the
+    global batch's std (TRL's scale_rewards=batch; not in verl)."""
     adv_eps: c.PositiveFloat = 1e-6
     """The eps of the division."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -156,24 +147,13 @@ class AlgorithmConfig:
     use_kl_loss: c.Bool = True
     """Build the reference model and add `kl_coef` x the KL estimate to the loss (`actor/kl_loss`)."""
     kl_penalty: Literal["low_var_kl", "kl", "abs", "mse"] = "low_var_kl"
-    """Per token, d = logp - logp_ref: kl: d (k1); abs: |d|; mse: d^2 / 2 (k2); low_var_kl: exp(-d) + d - 1
-    (k3), clamped to [-10, 10]."""
+    """d = logp - logp_ref: kl: d; abs: |d|; mse: d^2 / 2; low_var_kl: exp(-d) + d - 1 (k3) in [-10, 10]."""
     kl_coef: c.NonNegativeFloat = 0.01
     """Weight of the KL loss."""
 
 
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]
-
-
-def _loggers_installed(loggers: tuple[str, ...]) -> tuple[str, ...]:
-    """Each logger once; an optional one (its package and extra have its name) installed: looked up only."""
-    c.require(len(set(loggers)) == len(loggers), "lists a logger twice")
-    for name in set(loggers) - {"console", "jsonl"}:
-        c.require(
-            name in sys.modules or importlib.util.find_spec(name) is not None,
-            f"{name!r} needs the {name} package: pip install 'spmd_grpo[{name}]'",
-        )
-    return loggers
+Loggers = Annotated[tuple[LoggerName, ...], c.rule(lambda v: len(set(v)) == len(v), "lists a logger twice")]
 
 
 @dataclass(config=c.SECTION)
@@ -182,10 +162,9 @@ class TrainerConfig:
     """The project (wandb, swanlab) or experiment (mlflow) the run is logged under."""
     experiment_name: c.NonEmpty = "run"
     """The run's name in the trackers, and its directory under output_dir."""
-    logger: Annotated[tuple[LoggerName, ...], AfterValidator(_loggers_installed)] = ("console", "jsonl")
-    """Where rank 0 sends each step's metrics (verl's names): console (a line per step), jsonl (metrics.jsonl,
-    val_generations.jsonl: what `python -m spmd_grpo.report` plots), tensorboard, wandb, swanlab, mlflow
-    (optional extras: `pip install 'spmd_grpo[wandb]'`)."""
+    logger: Loggers = ("console", "jsonl")
+    """Where rank 0 sends metrics: console, jsonl (what `python -m spmd_grpo.report` plots), tensorboard,
+    wandb, swanlab, mlflow (optional extras: `pip install 'spmd_grpo[wandb]'`)."""
     output_dir: c.NonEmpty = "runs"
     """The run's files go to output_dir/experiment_name."""
     total_epochs: c.Positive = 1
@@ -207,17 +186,15 @@ class TrainerConfig:
     save_limit: c.OffOrPositive = 2
     """Keep the newest N complete checkpoints (-1: all)."""
     resume: c.NonEmpty = "auto"
-    """auto: continue from the run directory's newest complete checkpoint (a new run if none); none: a new run
-    (an error if the directory holds one); or a global_step_N directory. Details: run/start.py."""
+    """auto: from the run's newest complete checkpoint (a new run if none); none: a new run (an error if one
+    exists); or a global_step_N directory."""
     allow_config_change: tuple[str, ...] = ()
-    """Keys that may differ from the saved config on resume although they change what the saved state means
-    (model, data, batch shape, objective: run/start.py); otherwise such a change is an error."""
+    """Keys allowed to differ on resume although they change what the saved state means (model, data, ...)."""
     collective_timeout_s: c.Positive = 1800
-    """Timeout of every collective: the ranks that wait raise (naming the ranks still in a phase) and torchrun
-    ends the job."""
+    """Timeout of every collective: the waiting ranks raise, naming the ranks still in a phase."""
     preempt_grace_s: Annotated[c.Float, Field(gt=0, le=c.C_INT_MAX)] = 25.0
-    """After SIGTERM/SIGINT the run saves at the next step boundary, or exits (128 + signal) with no new
-    checkpoint after this many seconds. Keep it below torchrun's --shutdown_timeout and Slurm's KillWait."""
+    """After SIGTERM/SIGINT: save at the next step boundary, or exit (128 + signal) with no new checkpoint
+    after this long. Keep it below torchrun's --shutdown_timeout and Slurm's KillWait."""
     log_every: c.Positive = 1
     """The console logger's line interval (the first and last steps are always printed)."""
     log_memory: c.Bool = True

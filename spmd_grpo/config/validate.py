@@ -1,8 +1,6 @@
-"""`validate(cfg, world_size)`: the rules across sections and the world size (batch divisibility, tensor
-parallelism, DAPO settings), before any process group or model exists; each field's own type and range, and
-the rules within a section, were checked when the config was loaded. Errors are `ConfigError`s naming the
-dotted key. `ignored_settings` is the one place that says which settings have nothing to do on this device.
-"""
+"""`validate(cfg, world_size)`: the rules across sections and with the world size, before any process group
+or model exists (a field's own range and its section's rules were checked at load); `ignored_settings`: the
+one place that names settings with nothing to do on a device."""
 
 from __future__ import annotations
 
@@ -11,40 +9,32 @@ from spmd_grpo.config.schema import Config
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Check `cfg` for `world_size` ranks; raise ConfigError on the first violation. What must exist on
-    this machine is `spmd_grpo.run.preflight` (a `--dry-run` plans for another one and skips it)."""
+    """Raise ConfigError naming the dotted key at the first violation. What must exist on this machine is
+    `spmd_grpo.run.preflight` (a `--dry-run` plans for another one and skips it)."""
     d, a, r = cfg.data, cfg.worker.actor, cfg.worker.rollout
     require(world_size >= 1, f"world size must be >= 1, got {world_size}")
     require(
         a.model.model_path != "", "worker.actor.model.model_path must be set (a local directory or HF id)"
     )
-    _divisible("data.rollout_batch_size", d.rollout_batch_size, "the world size", world_size)
-    for key, size in [
-        ("worker.rollout.tensor_parallel_size", r.tensor_parallel_size),
-        ("worker.actor.fsdp.expert_parallel_size", a.fsdp.expert_parallel_size),
-    ]:
-        require(world_size % size == 0, f"{key} ({size}) must divide the world size ({world_size})")
-    batch = "worker.actor.global_batch_size"
-    _divisible(batch, a.global_batch_size, "the world size", world_size)
-    _divisible(
-        "data.rollout_batch_size * worker.rollout.n", d.rollout_batch_size * r.n, batch, a.global_batch_size
-    )
-    per_rank = a.global_batch_size // world_size
-    micro = "worker.actor.micro_batch_size_per_device_for_update"
-    _divisible(f"{batch} / world size", per_rank, micro, a.micro_batch_size_per_device_for_update)
-    if cfg.algorithm.filter_groups.enable:
-        what = "algorithm.filter_groups.train_batch_size * worker.rollout.n"
-        _divisible(what, cfg.num_train_groups * r.n, batch, a.global_batch_size)
-    _check_across_sections(cfg)
+    batch, gbs, n = "worker.actor.global_batch_size", a.global_batch_size, r.n
+    for what, value, by_what, by in [  # the DAPO row repeats the third unless filter_groups sets its own size
+        ("data.rollout_batch_size", d.rollout_batch_size, "the world size", world_size),
+        (batch, gbs, "the world size", world_size),
+        ("data.rollout_batch_size * worker.rollout.n", d.rollout_batch_size * n, batch, gbs),
+        ("algorithm.filter_groups.train_batch_size * worker.rollout.n", cfg.num_train_groups * n, batch, gbs),
+        (f"{batch} / world size", gbs // world_size, "worker.actor.micro_batch_size_per_device_for_update",
+         a.micro_batch_size_per_device_for_update),
+    ]:  # fmt: skip
+        require(value % by == 0, f"{what} ({value}) must be divisible by {by_what} ({by})")
+    for key, size in [("rollout.tensor_parallel_size", r.tensor_parallel_size),
+                      ("actor.fsdp.expert_parallel_size", a.fsdp.expert_parallel_size)]:  # fmt: skip
+        require(world_size % size == 0, f"worker.{key} ({size}) must divide the world size ({world_size})")
+    _rules_across_sections(cfg)
 
 
-def _divisible(what: str, n: int, by_what: str, by: int) -> None:
-    require(n % by == 0, f"{what} ({n}) must be divisible by {by_what} ({by})")
-
-
-def _check_across_sections(cfg: Config) -> None:
+def _rules_across_sections(cfg: Config) -> None:
     """Settings that are only wrong together (each message says how to resolve it)."""
-    t, d, a, fg = cfg.trainer, cfg.data, cfg.worker.actor, cfg.algorithm.filter_groups
+    d, a, r, fg, t = cfg.data, cfg.worker.actor, cfg.worker.rollout, cfg.algorithm.filter_groups, cfg.trainer
     require(
         cfg.max_model_len <= C_INT_MAX,
         f"data.max_prompt_length + data.max_response_length ({cfg.max_model_len}) must fit a C int "
@@ -62,18 +52,18 @@ def _check_across_sections(cfg: Config) -> None:
     )
     lora = a.model.lora
     require(
-        not (lora.enabled and cfg.worker.rollout.lora_sync == "adapter")
+        not (lora.enabled and r.lora_sync == "adapter")
         or (lora.target_modules == "all-linear" or "lm_head" not in lora.target_modules),
         "worker.rollout.lora_sync=adapter cannot serve an adapter on lm_head "
         "(worker.actor.model.lora.target_modules): vLLM has no LoRA on the output head; use merged",
     )
     require(
-        a.reuse_image_features is not True or cfg.worker.rollout.limit_videos == 0,
+        a.reuse_image_features is not True or r.limit_videos == 0,
         "worker.actor.reuse_image_features=true needs worker.rollout.limit_videos=0 (transformers takes "
         "precomputed features for all modalities of a forward or none); auto turns it on where it applies",
     )
     on_policy = (  # one mini-batch, one epoch, no rejection: the update's first forward is the old policy's
-        a.global_batch_size == cfg.num_train_groups * cfg.worker.rollout.n
+        a.global_batch_size == cfg.num_train_groups * r.n
         and a.ppo_epochs == 1
         and cfg.algorithm.rollout_correction.rollout_rs is None
     )
@@ -84,11 +74,10 @@ def _check_across_sections(cfg: Config) -> None:
         "algorithm.rollout_correction.rollout_rs; auto takes them from the update where that holds",
     )
     require(
-        a.moe.routing_replay != "rollout" or cfg.worker.rollout.tensor_parallel_size == 1,
+        a.moe.routing_replay != "rollout" or r.tensor_parallel_size == 1,
         "worker.actor.moe.routing_replay=rollout needs worker.rollout.tensor_parallel_size=1 (got "
-        f"{cfg.worker.rollout.tensor_parallel_size}): vLLM 0.32 returns routed experts from the first rank of a "
-        "TP group only, and under torchrun every rank's own scheduler asks its worker for them (an assertion "
-        "fails on the other ranks at the first step); use old or none",
+        f"{r.tensor_parallel_size}): vLLM 0.32 returns routed experts from a TP group's first rank only, which "
+        "fails the other ranks' schedulers under torchrun; use old or none",
     )
     require(
         not fg.enable

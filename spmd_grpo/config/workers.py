@@ -1,11 +1,6 @@
-"""The `worker.*` sections (EasyR1/verl names): the actor's model, optimizer, FSDP and MoE settings, the
-rollout engine and its validation overrides, the reference model and the reward function.
-
-`auto` settings (`fsdp.gather_once_per_pass`, `padding_free`, `shared_prompt`, `reuse_image_features`,
-`old_logprobs_from_update`) are speed and memory choices that leave the numbers unchanged: `auto` turns each
-on wherever it applies (decided once, in `actor/spec.py`, `models/build.py` and the device layer); `true`
-where it cannot apply is a config error saying why.
-"""
+"""The `worker.*` sections (EasyR1/verl names): actor (model, optimizer, FSDP, MoE), rollout, ref, reward.
+An `auto` setting is a speed/memory choice with unchanged numbers, turned on wherever it applies (decided
+once: `actor/spec.py`, `models/build.py`, the device layer); `true` where it cannot apply is an error."""
 
 from __future__ import annotations
 
@@ -31,9 +26,8 @@ DType = Literal["bfloat16", "float16", "float32", "auto"]
 
 @dataclass(config=c.SECTION)
 class LoRAConfig:
-    """LoRA adapters on the policy (PEFT's: y = W x + alpha / rank * B A x, B initialised to 0). The base
-    weights are frozen in the compute dtype, the adapters train in fp32, and the KL reference is the policy
-    with its adapters disabled (as verl; no second model)."""
+    """PEFT LoRA on the policy (y = W x + alpha / rank * B A x): frozen base in the compute dtype, fp32
+    adapters; the KL reference is the policy with its adapters disabled (as verl; no second model)."""
 
     rank: c.NonNegative = 0
     """0: off (full fine-tuning). verl's `lora_rank`."""
@@ -44,8 +38,7 @@ class LoRAConfig:
     target_modules: Literal["all-linear"] | Annotated[tuple[ModuleName, ...], Field(min_length=1)] = (
         LORA_ALL_LINEAR
     )
-    """`all-linear` (every nn.Linear but the output head, as PEFT) or names, each matching a module whose name
-    is it or ends with `.<name>` (PEFT's rule), e.g. [q_proj, v_proj]."""
+    """`all-linear` (every nn.Linear but the output head) or module names ending so, e.g. [q_proj, v_proj]."""
     exclude_modules: tuple[ModuleName, ...] = ("model.visual",)
     """Module-name prefixes (in memory) that get no adapter; the default is the vision tower with its merger."""
 
@@ -88,8 +81,7 @@ class OptimConfig:
 @dataclass(config=c.SECTION)
 class FSDPConfig:
     param_dtype: DType = "auto"
-    """auto: bfloat16 on accelerators, float32 on CPU. float16 is refused (worker.ref and worker.rollout take
-    it): there is no loss scaling, without which fp16 gradients underflow (torchtitan refuses it too)."""
+    """auto: bfloat16 on accelerators, float32 on CPU. Not float16: there is no loss scaling."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Gradient reduction dtype."""
     offload_params: c.Bool = False
@@ -97,11 +89,10 @@ class FSDPConfig:
     offload_optimizer: c.Bool = False
     """Keep the optimizer state in host memory (nothing to do on CPU)."""
     gather_once_per_pass: Auto = "auto"
-    """Keep the gathered parameters through a pass's micro-batches and reduce the gradient once per mini-batch
-    (+ a gathered model and an unsharded gradient per rank). auto: on the CPU, where each gloo gather costs."""
+    """Gather the parameters once per pass and reduce gradients once per mini-batch (+ a full model and
+    gradient per rank). auto: on the CPU, where each gloo gather costs."""
     expert_parallel_size: c.Positive = 1
-    """Expert parallelism of an MoE policy (1: off), out of the data-parallel ranks: each EP rank holds
-    num_experts / EP experts (reached by all-to-all), FSDP-sharded over the other world / EP ranks."""
+    """MoE expert parallelism over the data-parallel ranks (1: off): num_experts / EP experts per rank."""
 
 
 @dataclass(config=c.SECTION)
@@ -109,16 +100,10 @@ class MoEConfig:
     """Mixture-of-experts controls (Qwen3-VL-MoE, Qwen3.5-MoE; ignored, with a warning, for a dense model)."""
 
     routing_replay: Literal["none", "old", "rollout"] = "none"
-    """The experts the trainer's passes use. none: each pass routes by its own top-k; old: the reference and
-    the update use those of the old-logprob pass (GSPO's routing replay: the step-start ratio compares one
-    sub-network); rollout: those vLLM chose (R3, arXiv 2510.11370; CUDA only, with
-    worker.rollout.tensor_parallel_size 1, not for Qwen3.5-MoE: vLLM 0.32 returns them from a TP group's
-    first rank only, and only with prefix caching, which the engine keeps off for linear attention). The
-    used experts' router probabilities stay differentiable; `moe/route_diff/<pass>` logs the fraction of
-    decisions that differ."""
+    """none: each pass routes by its own top-k; old: reference and update replay the old-logprob pass's
+    experts (GSPO); rollout: vLLM's (R3; CUDA, TP 1, not Qwen3.5-MoE). docs/models.md: Mixture of experts."""
     router_aux_loss_coef: c.NonNegativeFloat | None = None
-    """Weight of the router's load-balancing loss (`actor/router_aux_loss`). None: the model config's
-    `router_aux_loss_coef` if its `output_router_logits` is true, else 0 (the RL default)."""
+    """Router load-balancing loss weight. None: the model config's if `output_router_logits`, else 0."""
 
 
 @dataclass(config=c.SECTION)
@@ -156,29 +141,24 @@ class ActorConfig:
     logprob_chunk_size: c.Positive = 1024
     """Tokens per chunk of the vocabulary-sized log-softmax (bounds its memory)."""
     padding_free: Auto = "auto"
-    """Pack each micro-batch's sequences into one row. auto: on where the device has a varlen attention path
-    (flash attention with `flash_attn`, Ascend's fused kernel, per-length sdpa on the CPU); on CUDA without
-    `flash_attn` true packs with a dense block-diagonal mask (correct, not faster)."""
+    """Pack a micro-batch into one row. auto: where a varlen attention runs (`flash_attn`, Ascend, the CPU);
+    true on CUDA without `flash_attn` packs with a dense block-diagonal mask (correct, not faster)."""
     shared_prompt: Auto = "auto"
-    """Hold each group's prompt (and its images and videos) once in the old, reference and update passes,
-    its responses attending to it and causally to themselves: the same numbers for P + nR tokens instead of
-    n(P + R), for every family (MoE routes follow the shared row; a hybrid's linear-attention state after the
-    prompt seeds each response). auto: on with the packed layout on the CPU, off on accelerators (flash
-    attention's varlen kernel takes no shared prefix; the flex-attention kernel that does is unchecked on a
-    GPU); true: flex attention with a block mask on CUDA, the CPU's sdpa path elsewhere; needs padding_free."""
+    """Each group's prompt and images once in the trainer's passes: P + nR tokens instead of n(P + R), same
+    numbers. auto: on when packed on the CPU, off on accelerators (flex attention unchecked on a GPU); true:
+    flex attention on CUDA; needs padding_free. docs/models.md: Shared prompts."""
     reuse_image_features: Auto = "auto"
-    """Encode each prompt's images once for all its samples: once per step with a frozen tower, once per
-    forward-only pass with a trained one. auto: on unless worker.rollout.limit_videos > 0."""
+    """Encode a prompt's images once for its samples (per step if frozen, else per forward-only pass).
+    auto: on unless worker.rollout.limit_videos > 0."""
     dynamic_batching: c.Bool = False
-    """Micro-batches by the token budgets below (prompt + response tokens per rank) instead of the counts:
-    balanced token sums, the same number of forwards on every rank."""
+    """Micro-batches by the token budgets below instead of counts (the same number on every rank)."""
     max_token_len_per_device_for_update: c.Positive = 16384
     """Token budget of an update micro-batch."""
     max_token_len_per_device_for_experience: c.Positive = 16384
     """Token budget of a forward-only micro-batch."""
     old_logprobs_from_update: Auto = "auto"
-    """Take the old logprobs from the update's forward (detached) instead of a forward-only pass. auto: when a
-    step is exactly on-policy (one mini-batch and epoch, no algorithm.rollout_correction.rollout_rs)."""
+    """Old logprobs from the update's forward (detached), not their own pass. auto: when a step is exactly
+    on-policy (one mini-batch and epoch, no algorithm.rollout_correction.rollout_rs)."""
 
     def __post_init__(self) -> None:
         c.require(
@@ -228,7 +208,7 @@ class RolloutConfig:
     enable_sleep_mode: c.Bool = True
     """vLLM's sleep mode between rollouts (none on CPU)."""
     sleep_level: Literal[1, 2] = 2
-    """2: release vLLM's weights and KV cache (all weights pushed again at wake); 1: keep weights in host memory."""
+    """2: release vLLM's weights and KV cache (all pushed again at wake); 1: weights kept in host memory."""
     max_num_batched_tokens: c.Positive = 16384
     """vLLM's scheduler budget; raised to `max_model_len` if smaller (chunked prefill is off)."""
     max_num_seqs: c.Positive = 256
@@ -242,11 +222,9 @@ class RolloutConfig:
     weight_sync_bucket_mb: c.Positive = 512
     """Size of one bucket of the weight push (a decoder layer or vision block is never split)."""
     lora_sync: Literal["merged", "adapter"] = "merged"
-    """With LoRA: `merged` pushes base + alpha / r * B A per adapted weight (any vLLM model); `adapter` pushes
-    the base once, then only the adapters into vLLM's LoRA support."""
+    """With LoRA: `merged` pushes W + alpha / r * B A (any model); `adapter` the base once, then adapters."""
     ignore_eos: c.Bool = False
-    """Training rollouts generate exactly `data.max_response_length` tokens (vLLM's `ignore_eos`, as verl's): a
-    fixed workload for benchmarks, not for training. Validation keeps its stop tokens."""
+    """Training rollouts run to `data.max_response_length` (vLLM's `ignore_eos`): for benchmarks only."""
     val_override: ValOverrideConfig = field(default_factory=ValOverrideConfig)
 
 
@@ -255,8 +233,7 @@ class RefConfig:
     """The frozen reference model for the KL loss (built only with algorithm.use_kl_loss)."""
 
     dtype: DType = "auto"
-    """The reference's dtype; auto: worker.actor.fsdp.param_dtype resolved (the numbers of an fp32 copy cast
-    at the all-gather, at half the memory)."""
+    """auto: worker.actor.fsdp.param_dtype resolved (as an fp32 copy cast at the gather, half the memory)."""
     offload_params: c.Bool = False
     """Keep the reference's shards in host memory between its forwards (FSDP2 CPUOffloadPolicy)."""
 
@@ -285,11 +262,8 @@ class WorkerConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
-        # Here and not in FSDPConfig: the reference's build reuses that section with worker.ref.dtype.
-        c.require(
+        c.require(  # not FSDPConfig's: the reference's build reuses that section with its float16
             self.actor.fsdp.param_dtype != "float16",
-            "actor.fsdp.param_dtype=float16 would train without loss scaling, which this trainer does not "
-            "implement: fp16 gradients underflow (the log-softmax's gradient to every vocabulary entry but the "
-            "sampled one is below fp16's smallest subnormal); use bfloat16 (worker.ref.dtype and "
-            "worker.rollout.dtype may stay float16)",
+            "actor.fsdp.param_dtype=float16 would train without loss scaling (not implemented): fp16 gradients "
+            "underflow; use bfloat16 (worker.ref.dtype and worker.rollout.dtype may stay float16)",
         )

@@ -5,16 +5,18 @@ preflight_data.py), the model and tokenizer (a local checkpoint directory or a h
 when the id must be downloaded; a local one holds its safetensors files and a chat template for its
 processor), the model's family and LoRA targets (from its config.json on the meta device), the reward file
 (read, then imported, its function callable with the batch), the resume directory, and an installed vLLM
-that can return routed experts when routing replay takes vLLM's routes, and allocator settings that vLLM's
-sleep mode accepts on the device (Ascend: no expandable segments). Each failure is a `ConfigError`
-naming the key.
+that can return routed experts when routing replay takes vLLM's routes, allocator settings that vLLM's
+sleep mode accepts on the device (Ascend: no expandable segments), and the optional loggers' packages.
+Each failure is a `ConfigError` naming the key.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 from spmd_grpo.config.checks import BUILTIN_REWARDS, ConfigError, require
@@ -25,6 +27,7 @@ from spmd_grpo.run.preflight_data import check_data, looks_like_hub_id
 def preflight(cfg: Config) -> None:
     """Every check of this module, cheapest first; raises ConfigError on the first failure."""
     model, t = cfg.worker.actor.model, cfg.trainer
+    check_loggers_installed(t.logger)
     check_data(cfg)  # sources, footers, columns, sizes, the prompt template
     check_model_path("worker.actor.model.model_path", model.model_path)
     if model.tokenizer_path is not None:
@@ -52,6 +55,15 @@ def preflight(cfg: Config) -> None:
     check_lora_targets(cfg)
     check_routing_replay(cfg)
     check_sleep_mode_allocator(cfg)
+
+
+def check_loggers_installed(loggers: tuple[str, ...]) -> None:
+    """An optional logger's package (its extra has its name) is installed here: looked up, not imported."""
+    for name in sorted(set(loggers) - {"console", "jsonl"}):
+        require(
+            name in sys.modules or importlib.util.find_spec(name) is not None,
+            f"trainer.logger: {name!r} needs the {name} package: pip install 'spmd_grpo[{name}]'",
+        )
 
 
 def check_sleep_mode_allocator(cfg: Config) -> None:

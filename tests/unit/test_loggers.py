@@ -103,10 +103,15 @@ def _without(monkeypatch, *missing: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["tensorboard", "wandb", "swanlab", "mlflow"])
-def test_missing_tracker_fails_at_config_time_with_install_hint(monkeypatch, name):
+def test_missing_tracker_fails_at_preflight_with_install_hint(monkeypatch, name):
+    """The package is looked for on the machine that trains (a `--dry-run` plans for another one)."""
+    from spmd_grpo.run.preflight import check_loggers_installed
+
     _without(monkeypatch, name)
+    cfg = load_config(None, [*BASE, f"trainer.logger=[console,{name}]"])
+    validate(cfg, 1)
     with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BASE, f"trainer.logger=[console,{name}]"]), 1)
+        check_loggers_installed(cfg.trainer.logger)
     assert (
         str(e.value) == f"trainer.logger: {name!r} needs the {name} package: pip install 'spmd_grpo[{name}]'"
     )
