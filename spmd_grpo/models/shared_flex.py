@@ -31,7 +31,12 @@ sdpa over [prompt keys; own keys]):
 
 Where it runs: `shared_prompt_attention` picks it on CUDA, compiled (`torch.compile(flex_attention,
 dynamic=True)`, meant to compile once for all row lengths; tests/gpu/test_gpu_shared_prompt.py measures it
-and the gathered sdpa against float64 and times both; docs/models.md, Devices, says what has run on a GPU).
+and the gathered sdpa against float64 and times both; docs/models.md, Devices, says what has run on a GPU),
+always with flex attention's main kernel (`KERNEL_OPTIONS`): for a row shorter than 128 tokens whose query
+heads per key/value head are a power of two, inductor would otherwise lower the forward to its flex-decoding
+kernel, whose default query tile (the next power of two of T x query heads per key/value head) must divide
+the 128-token block; past 128 no configuration is left and the compilation fails (torch 2.13's lowering:
+NoValidChoicesError for a 109-token row with 2 query heads per key/value head).
 On the CPU torch runs flex attention's forward unfused (the full score matrix) and refuses its backward, so
 the CPU keeps `attention.VARLEN_SDPA`; the CPU tests run this function's forward for real and its backward
 through torch's reference (math) implementation. torch_npu has no flex kernel: Ascend keeps the gathered
@@ -81,6 +86,10 @@ def shared_row_mask_mod(positions: torch.Tensor):
 
     return mask_mod
 
+
+KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+"""flex attention's kernel options: its main kernel for every row length, never flex decoding (module
+docstring). vLLM's flex-attention backend passes the same option."""
 
 _compiled: dict = {}
 
@@ -132,6 +141,7 @@ def flex_shared_forward(
         block_mask=_block_mask(position_ids.reshape(-1)),
         scale=kwargs.get("scaling"),
         enable_gqa=query.shape[1] != key.shape[1],
+        kernel_options=KERNEL_OPTIONS,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -6,10 +6,11 @@ distance (or 1e-5). Two fp32 kernels that reduce in different orders differ by ~
 cuDNN's default TF32 convolution runs the vision tower's patch embedding), which a direct comparison cannot
 tell from a small error; a token that sees the wrong keys is orders of magnitude further from float64 (plain
 sdpa on the shared row, on the CPU: logprobs 0.30 off against 4.8e-7). Cases: the tiny Qwen2.5-VL (images,
-trained tower) over shared and unshared rows of different lengths (one compilation with dynamic shapes); the
-tiny Qwen3-VL-MoE and Qwen3.5-MoE (replayed routes); the hybrid Qwen3.5-MoE's shared layout (each prompt's
-final Gated DeltaNet state seeding its responses, flash-linear-attention where installed, whose Triton
-kernels compute fp32 in TF32) against its unshared layout. Then one attention layer of a geometry3k-shaped
+trained tower) over shared and unshared rows of different lengths (one compilation with dynamic shapes; the
+109-token row is shorter than a 128-token block: without `shared_flex.KERNEL_OPTIONS` inductor lowers it to
+flex decoding, and its compilation fails); the tiny Qwen3-VL-MoE and Qwen3.5-MoE (replayed routes); the
+hybrid Qwen3.5-MoE's shared layout (each prompt's final Gated DeltaNet state seeding its responses,
+flash-linear-attention where installed, whose Triton kernels compute fp32 in TF32) against its unshared layout. Then one attention layer of a geometry3k-shaped
 group (P = 640, n = 8, R = 128, 16 heads, head dim 128, bf16), forward + backward: time and peak memory
 printed, flex asserted not slower. When every test here passes on a GPU, `worker.actor.shared_prompt=auto`
 can turn on for CUDA (models/build.py `shared_prompt_setup`); what has run so far: docs/models.md, Devices.
@@ -76,7 +77,10 @@ def _against_float64(policy, exact, runs: dict, reference) -> dict:
 
 def _as_exact(errors: dict, label: str, baseline: str) -> None:
     """`label` is within 4x of `baseline`'s distance from float64 (or 1e-5) in all three measures."""
-    print({k: "logprobs {:.1e}, entropy {:.1e}, gradients {:.1e}".format(*v) for k, v in errors.items()})
+    print(
+        {k: "logprobs {:.1e}, entropy {:.1e}, gradients {:.1e}".format(*v) for k, v in errors.items()},
+        flush=True,
+    )
     for measure, mine, theirs in zip(
         ("logprobs", "entropy", "gradients"), errors[label], errors[baseline], strict=True
     ):
@@ -91,6 +95,8 @@ def _compare(policy, exact, batches, baseline: float = 1e-3) -> None:
 
     for batch in batches:
         batch = batch.to("cuda")
+        # flushed: a run cut off by a time limit keeps what was printed, and an error names its row
+        print(f"row of {batch.input_ids.shape[1]} tokens", flush=True)
         runs = {name: (name, batch, True) for name in (VARLEN_SDPA, FLEX_SHARED)}
         errors = _against_float64(policy, exact, runs, (batch, True))
         _as_exact(errors, FLEX_SHARED, VARLEN_SDPA)
