@@ -1,9 +1,15 @@
 """Validation: generate on the held-out set with the current policy, score, and report verl-named metrics.
 
 Metrics (global over ranks), N = `worker.rollout.val_override.n` samples per prompt:
-  val-core/<data_source>/acc/mean@N   mean `accuracy` of the reward (or `overall` when the reward has none)
-  val/reward/<key>                    mean of every key the reward function returns (overall included)
-  timing_s/testing                    added by the caller
+  val-core/<data_source>/acc/mean@N     mean `accuracy` of the source's samples, when the reward returns it
+  val-core/<data_source>/reward/mean@N  mean `overall` of the source's samples, when it returns no `accuracy`
+  val/reward/<key>                      mean of every key the reward returns (overall included), all sources
+  timing_s/testing                      added by the caller (it also holds the weight push before generating)
+verl's names and values: its core variable is `acc` when the reward returns one and `reward` (the summed
+token scores) otherwise, as here; its mean@N is the mean over prompts of each prompt's mean over its N
+samples, which equals the mean over samples here because every prompt has exactly N. verl also logs
+`std@N`, `best@k`, `worst@k` and `maj@k` (bootstrapped) and a `val-aux/` copy of every other reward key per
+source; those are not computed (`val/reward/<key>` is this trainer's own name, over all sources).
 Sampling uses `worker.rollout.val_override` (verl: temperature 0.6, top_p 0.95, n 1 in the geo3k recipes)
 with its own per-request seeds (`VAL_SEED_OFFSET`), so validation never consumes or shifts the training
 samples' randomness. Each rank validates a strided share of the set (rank r takes examples r, r + world,
@@ -87,16 +93,14 @@ def _metrics(samples: list[Sample], rewards: dict[str, torch.Tensor], n: int) ->
     sources = sorted(set().union(*(p[0] for p in parts)))
     keys = sorted(set().union(*(p[1] for p in parts)))
     empty = torch.zeros(0)
-    acc = (
-        rewards.get("accuracy", rewards.get("overall", empty))
-        if "accuracy" in keys
-        else rewards.get("overall", empty)
-    )
+    # verl's core variable: the accuracy when the reward has one, else the reward itself, each under its name.
+    core, core_key = ("acc", "accuracy") if "accuracy" in keys else ("reward", "overall")
+    core_values = rewards.get(core_key, empty)
     sums: dict[str, tuple[float, float]] = {}
     for src in sources:
         picked = torch.tensor([s.prompt.extra["data_source"] == src for s in samples], dtype=torch.bool)
-        sums[f"val-core/{src}/acc/mean@{n}"] = (
-            float(acc[picked].sum()) if picked.any() else 0.0,
+        sums[f"val-core/{src}/{core}/mean@{n}"] = (
+            float(core_values[picked].sum()) if picked.any() else 0.0,
             float(picked.sum()),
         )
     for key in keys:

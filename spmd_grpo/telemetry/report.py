@@ -4,7 +4,7 @@ Reads `RUN_DIR/metrics.jsonl` (the `jsonl` logger's file, one row per step, verl
 the run is still writing it: a last line that is not complete yet is left out. Plots, over steps:
 
     reward               critic/score/mean (and train/gen_score/mean with DAPO dynamic sampling)
-    validation accuracy  every val-core/<source>/acc/mean@N
+    validation accuracy  every val-core/ metric: <source>/acc/mean@N (<source>/reward/mean@N: no accuracy)
     response length      response_length/mean, max, min
     KL                   actor/kl_loss (the KL term against the reference) and actor/ppo_kl
     entropy              actor/entropy

@@ -1,7 +1,12 @@
 """`data.val_batch_size`: validation generates in batches of that many prompts over all ranks, and every rank
-runs the same number of batches (the ranks of a TP group gather each batch together, so unequal counts hang)."""
+runs the same number of batches (the ranks of a TP group gather each batch together, so unequal counts hang);
+the metric names and values validation reports."""
 
-from spmd_grpo.rollout.validation import _batches
+import pytest
+import torch
+
+from spmd_grpo.data.samples import Prompt, Sample
+from spmd_grpo.rollout.validation import _batches, _metrics
 
 
 def test_whole_set_in_one_batch_by_default():
@@ -22,3 +27,26 @@ def test_same_number_of_batches_on_every_rank():
             assert len(counts) == 1, (num_examples, batch_size, counts)
             for share in shares:  # nothing lost or repeated
                 assert sum(_batches(share, num_examples, 3, batch_size), []) == share
+
+
+def _val_samples(sources: list[str]) -> list[Sample]:
+    return [
+        Sample(Prompt(i, [1], extra={"data_source": src}), 0, [1], [2], [-0.1])
+        for i, src in enumerate(sources)
+    ]
+
+
+def test_core_metric_is_the_accuracy_under_acc_and_the_reward_under_reward():
+    # verl's val-core variable is `acc` when the reward returns one, else `reward`: a reward without an
+    # accuracy must not be reported as an accuracy.
+    samples = _val_samples(["geo", "geo", "chart"])
+    with_acc = {"overall": torch.tensor([0.9, 0.1, 1.0]), "accuracy": torch.tensor([1.0, 0.0, 1.0])}
+    m = _metrics(samples, with_acc, 1)
+    assert m["val-core/geo/acc/mean@1"] == pytest.approx(0.5)
+    assert m["val-core/chart/acc/mean@1"] == pytest.approx(1.0)
+    assert m["val/reward/overall"] == pytest.approx(2.0 / 3)
+    no_acc = {"overall": torch.tensor([0.9, 0.1, 1.0])}
+    m = _metrics(samples, no_acc, 1)
+    assert not [k for k in m if "/acc/" in k]
+    assert m["val-core/geo/reward/mean@1"] == pytest.approx(0.5)
+    assert m["val-core/chart/reward/mean@1"] == pytest.approx(1.0)
