@@ -11,7 +11,13 @@ Metrics: `actor/pg_loss`, `actor/entropy` and `actor/kl_loss` are the global min
 the step's mini-batches and epochs; `actor/pg_clipfrac`, `pg_clipfrac_lower` and `ppo_kl` are token-means
 over all of them. verl's dp actor differs: its `pg_loss` and `kl_loss` add up each rank's micro-batch shares
 over EVERY mini-batch and epoch (k mini-batches: k times the value here, for the same losses), its entropy
-and clip fractions are means of per-micro-batch values.
+and clip fractions are means of per-micro-batch values. Without an entropy bonus (verl's default
+`entropy_coeff: 0`, `calculate_entropy` off) verl's `actor/entropy` comes from its old-logprob pass instead:
+the old policy over the whole step batch, the value here only with one mini-batch and one epoch. Here it is
+always the update's, over the tokens it trains on (the rollout correction's rejected tokens left out).
+`actor/grad_norm` is the mean over the step's optimizer steps of the global norm before clipping (a
+non-finite one included), `actor/lr` the rate those steps used (the schedule advances once per step), both
+as verl.
 
 Every setting the update reads travels as one frozen `UpdateSpec`, resolved from the config once; every
 per-sample input (old and reference logprobs, advantage) is a field of the `Sample` record.

@@ -2,7 +2,51 @@
 
 Names follow verl (`timing_s/gen`, `actor/pg_loss`, `critic/score/mean`, `response_length/mean`,
 `perf/throughput`, ...). Every figure is a reduction over ALL ranks (sum/count for means, max, min), so
-rank 0 prints and writes global values, not its own shard's.
+rank 0 prints and writes global values, not its own shard's; the console line and every logger get the
+same dict.
+
+Samples (`sample_metrics`): the step's trained samples, i.e. after DAPO's filtering and rebalancing, as
+verl's `compute_data_metrics` (the score of everything generated is `train/gen_score/*`, dynamic_sampling.py):
+    critic/score/*            per sample: the reward's `overall`, DAPO's overlong penalty included (as verl's
+                              DAPO reward manager adds it to the token scores)
+    critic/rewards/*          the same values: verl subtracts its KL-in-reward penalty here, not provided
+    critic/advantages/*       per response token (a sample counts once per token), as verl's masked_select;
+                              tokens dropped by the rollout correction's rejection still count (verl's
+                              rejection mask removes them)
+    response_length/*, prompt_length/*  per sample; prompt = vLLM's expanded ids (image pads included)
+    response_length/clip_ratio  fraction of responses of max_response_length tokens; p50/p90: ours
+    reward/<key>              per-sample mean of each reward key but `overall`
+    rollout/logprob_diff_*    |trainer old logprob - vLLM logprob| per response token: token-mean and max
+                              (ours; verl's `training/rollout_probs_diff_*` compare probabilities instead)
+    perf/total_num_tokens     prompt + response tokens of the trained samples (verl's `global_token_num`)
+Timings (`Timer`): wall seconds per phase with the device synchronised at both edges, summed over the
+calls of the step (DAPO's generation batches), then the max over ranks (the slowest rank sets the pace,
+as verl's driver sees it):
+    timing_s/step             rollout (every generation batch) through the optimizer steps, as verl's: the
+                              validation (`timing_s/testing`), the checkpoint (`timing_s/save_checkpoint`)
+                              and the metric reductions and logging come after it and are not inside it
+    timing_s/gen              wake, weight push, generation and sleep of each generation batch
+    timing_s/update_weights   the weight push alone: INSIDE `timing_s/gen` (or `timing_s/testing`), never
+                              beside it. The update of step k is pushed at the next rollout_mode: step k+1's
+                              generation, or step k's validation (then a step's value holds two pushes)
+    timing_s/reward, rebalance (DAPO), pixel_values, adv, old_log_prob (with image features), ref,
+    update_actor              the other phases, in step order
+Each phase is a max over ranks, so the phases need not add up to `timing_s/step` (nor do they hold the
+untimed glue between them).
+Throughput and memory (`perf_metrics`, training steps only):
+    perf/time_per_step        timing_s/step
+    perf/throughput           total_num_tokens / (timing_s/step x world size): verl's tokens per second per
+                              device. The tokens are the batch's, not the ones computed: every sample's
+                              prompt counts, also where `worker.actor.shared_prompt` computes a group's
+                              prompt once (`perf/shared_prompt_tokens_saved`), and samples DAPO generated
+                              and dropped do not count although their generation is in the step time (both
+                              as verl)
+    perf/max_memory_allocated_gb  the device allocator's peak since the process started (never reset),
+                              max over ranks, both as verl; on CPU the process's peak resident set
+    perf/cpu_memory_used_gb   resident set of the process at the end of the step, max over ranks. verl
+                              and EasyR1 log the NODE's used memory (psutil.virtual_memory().used) under
+                              this name: ours is one rank's process, so it stays comparable across node
+                              sizes and shows a leak of one rank
 """
 
 from __future__ import annotations
