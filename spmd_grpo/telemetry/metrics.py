@@ -136,12 +136,17 @@ class MetricsWriter:
 
 
 def console_line(step: int, total: int, m: dict[str, float]) -> str:
+    """The console's line for `step`: a few of `m`'s values, named after their metrics. With DAPO dynamic
+    sampling `score` is the trained (filtered) groups' and `gen_score` everything generated. The KL is
+    printed in exponent notation: it starts near 0 (the policy is the reference) and a fixed-point figure
+    would print a real 3e-6 as 0."""
     parts = [f"step {step}/{total}"]
     for key, label, fmt in [
         ("critic/score/mean", "score", ".3f"),
+        ("train/gen_score/mean", "gen_score", ".3f"),
         ("reward/accuracy", "acc", ".3f"),
         ("actor/pg_loss", "pg_loss", "+.4f"),
-        ("actor/kl_loss", "kl", ".4f"),
+        ("actor/kl_loss", "kl", ".2e"),
         ("actor/entropy", "ent", ".3f"),
         ("actor/grad_norm", "gnorm", ".3f"),
         ("response_length/mean", "resp_len", ".1f"),

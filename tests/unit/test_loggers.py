@@ -210,6 +210,20 @@ def test_console_one_line_per_logged_step_and_no_bar_off_a_terminal(tmp_path, ca
     assert "grpo" not in out + err  # pytest's streams are not terminals: no progress bar
 
 
+def test_console_line_shows_a_small_kl_and_the_generated_score(tmp_path, capsys):
+    # A KL of 3e-6 (early training, the policy still near the reference) is not printed as 0; with DAPO
+    # the console shows the score of everything generated beside the trained groups' score, as the jsonl
+    # holds them.
+    metrics = {"critic/score/mean": 0.5, "train/gen_score/mean": 0.125, "actor/kl_loss": 3e-6}
+    cfg, loggers = _loggers(tmp_path, "console,jsonl")
+    loggers.log(1, metrics)
+    loggers.close()
+    line = capsys.readouterr().out.strip()
+    assert line == "step 1/3 | score 0.500 | gen_score 0.125 | kl 3.00e-06"
+    row = json.loads((cfg.run_dir / "metrics.jsonl").read_text())
+    assert row == {"step": 1, **metrics}
+
+
 def test_markdown_table_and_mlflow_names():
     assert markdown_table(ROWS).splitlines()[-1] == "| color | <image>Which colour? | a\\|b<br>c | 1 | 0.0 |"
     assert markdown_table([]) == ""
