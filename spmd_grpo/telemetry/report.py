@@ -102,7 +102,8 @@ def _mean(values: list[float]) -> float:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """A few lines: steps, reward first -> last, validation, response length, KL, logprob gap, step time."""
+    """A few lines: steps, reward first -> last, validation, response length, KL, logprob gap, step time,
+    and the time validation and checkpoints took beside the steps."""
     train = [r for r in rows if r["step"] > 0]
     lines = [f"{len(train)} training steps logged (last step {rows[-1]['step']})"]
     reward = (
@@ -128,7 +129,11 @@ def summary(rows: list[dict]) -> list[str]:
         lines.append(f"logprob gap trainer vs vLLM: max over steps {max(gaps):.1e}")
     times = [r["timing_s/step"] for r in train if "timing_s/step" in r]
     if times:
-        lines.append(f"step time: median {statistics.median(times):.2f} s, total {sum(times):.0f} s")
+        lines.append(f"step time: median {statistics.median(times):.2f} s, sum {sum(times):.0f} s")
+    # timing_s/step does not hold them (as verl's): the sum above is not the run's time without this.
+    outside = sum(r.get("timing_s/testing", 0.0) + r.get("timing_s/save_checkpoint", 0.0) for r in rows)
+    if outside:
+        lines.append(f"validation and checkpoints (outside the step time): {outside:.0f} s")
     return lines
 
 

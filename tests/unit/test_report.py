@@ -42,6 +42,7 @@ def _write_run(run_dir: Path, steps: int, tail: str = "") -> Path:
     rows = [{"step": 0, "val-core/color/acc/mean@1": 0.05, "timing_s/testing": 2.0}]
     rows += [_row(s) for s in range(1, steps + 1)]
     rows[-1]["val-core/color/acc/mean@1"] = 0.9
+    rows[-1]["timing_s/save_checkpoint"] = 3.0
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
     return run_dir
 
@@ -54,7 +55,8 @@ SUMMARY = [
     "KL (last step): 1.00e-02",
     "entropy (last step): 3.200",
     "logprob gap trainer vs vLLM: max over steps 1.0e-05",
-    "step time: median 1.55 s, total 16 s",
+    "step time: median 1.55 s, sum 16 s",
+    "validation and checkpoints (outside the step time): 5 s",
 ]
 
 
