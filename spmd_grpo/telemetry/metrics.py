@@ -17,7 +17,9 @@ verl's `compute_data_metrics` (the score of everything generated is `train/gen_s
     response_length/clip_ratio  fraction of responses of max_response_length tokens; p50/p90: ours
     reward/<key>              per-sample mean of each reward key but `overall`
     rollout/logprob_diff_*    |trainer old logprob - vLLM logprob| per response token: token-mean and max
-                              (ours; verl's `training/rollout_probs_diff_*` compare probabilities instead)
+                              (ours; verl's `training/rollout_probs_diff_*` compare probabilities instead).
+                              With top_p < 1 or top_k > 0 it also holds the log of the probability mass
+                              vLLM's sampler kept (its logprobs are renormalised after truncation)
     perf/total_num_tokens     prompt + response tokens of the trained samples (verl's `global_token_num`)
 Timings (`Timer`): wall seconds per phase with the device synchronised at both edges, summed over the
 calls of the step (DAPO's generation batches), then the max over ranks (the slowest rank sets the pace,
