@@ -30,7 +30,9 @@ as verl's driver sees it):
     timing_s/gen              wake, weight push, generation and sleep of each generation batch
     timing_s/update_weights   the weight push alone: INSIDE `timing_s/gen` (or `timing_s/testing`), never
                               beside it. The update of step k is pushed at the next rollout_mode: step k+1's
-                              generation, or step k's validation (then a step's value holds two pushes)
+                              generation, or step k's validation (then a step's value holds two pushes).
+                              verl pushes right after `update_actor`, beside it, and its `timing_s/gen`
+                              holds no push: compare our gen minus update_weights with verl's gen
     timing_s/reward, rebalance (DAPO), pixel_values, adv, old_log_prob (with image features), ref,
     update_actor              the other phases, in step order
 Each phase is a max over ranks, so the phases need not add up to `timing_s/step` (nor do they hold the
