@@ -46,7 +46,8 @@ Throughput and memory (`perf_metrics`, training steps only):
                               and dropped do not count although their generation is in the step time (both
                               as verl)
     perf/max_memory_allocated_gb  the device allocator's peak since the process started (never reset),
-                              max over ranks, both as verl; on CPU the process's peak resident set
+                              max over ranks, both as verl (EasyR1 subtracts what vLLM's sleep freed); on
+                              CPU the process's peak resident set
     perf/cpu_memory_used_gb   resident set of the process at the end of the step, max over ranks. verl
                               and EasyR1 log the NODE's used memory (psutil.virtual_memory().used) under
                               this name: ours is one rank's process, so it stays comparable across node
