@@ -17,7 +17,7 @@ Every forward also
     them as the routes the update and the reference replay with `routing_replay=old`;
   * counts, against the given routes, how many of the router's own top-k choices are not among them
     (`moe/route_diff/<pass>`: a decision = one (token, layer, slot));
-  * counts tokens per expert per layer (`moe/load_*`) over the valid tokens;
+  * counts tokens per expert per layer (for `moe/load/*`) over the valid tokens;
   * weighs every count (and the load-balancing terms below) by the sequences a token stands for
     (`MoEState.begin`'s `copies`): a prompt held once for its group's n samples counts n times, so a
     shared-prompt forward reports what the unshared one does;
