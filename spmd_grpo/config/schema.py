@@ -198,7 +198,7 @@ class TrainerConfig:
     log_every: c.Positive = 1
     """The console logger's line interval (the first and last steps are always printed)."""
     log_memory: c.Bool = True
-    """Log one memory line per phase (rollout, update) on rank 0."""
+    """Log one memory line per phase (rollout, update) per rank (rank<r>.log; rank 0 also to the console)."""
 
 
 @dataclass(config=c.SECTION)

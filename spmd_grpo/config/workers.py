@@ -178,7 +178,7 @@ class ValOverrideConfig:
     top_k: c.TopK = -1
     """As worker.rollout.top_k."""
     n: c.Positive = 1
-    """Samples per validation prompt (the N of `val-core/<source>/acc/mean@N`); 1 with temperature 0."""
+    """Samples per validation prompt (the N of `val-core/<source>/acc/mean@N`, or `reward/`); 1 if greedy."""
 
     def __post_init__(self) -> None:
         c.require(
