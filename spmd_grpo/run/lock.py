@@ -163,12 +163,25 @@ def unshared_run_dir(run_dir: Path, views: list[tuple[str, str | None]]) -> str 
     `lock_text`), in rank order; rank 0 wrote the lock file, so a host that reads something else (or
     nothing) sees another directory."""
     host_0, text_0 = views[0]
-    hosts = list(dict.fromkeys(host for host, text in views if text != text_0))
-    if not hosts:
+    ranks_by_host: dict[str, list[int]] = {}
+    for rank, (host, text) in enumerate(views):
+        if text != text_0:
+            ranks_by_host.setdefault(host, []).append(rank)
+    if not ranks_by_host:
         return None
+    elsewhere = ", ".join(f"{host} ({_ranks(ranks)})" for host, ranks in ranks_by_host.items())
     return (
-        f"the run directory {run_dir} is not the same directory on every node: {', '.join(hosts)} "
-        f"{'does' if len(hosts) == 1 else 'do'} not see the lock file rank 0 ({host_0}) wrote there; every rank "
-        "writes its own checkpoint shards into it, so trainer.output_dir must be on a file system every node "
-        "mounts at the same path"
+        f"the run directory {run_dir} is not the same directory on every node: {elsewhere} "
+        f"{'does' if len(ranks_by_host) == 1 else 'do'} not see the lock file rank 0 ({host_0}) wrote there; "
+        "every rank writes its own checkpoint shards into it, so trainer.output_dir must be on a file system "
+        "every node mounts at the same path"
     )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """`rank 3`, `ranks 8-15` (consecutive) or `ranks 1, 5`."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks))}"

@@ -106,7 +106,7 @@ def test_a_run_directory_some_nodes_see_elsewhere_is_named_by_host(holder, tmp_p
     views = [*shared, ("node2", lock_text(local)), ("node2", lock_text(local)), ("node3", lock_text(stale))]
     assert lock_text(local) is None
     assert unshared_run_dir(run, views) == (
-        f"the run directory {run} is not the same directory on every node: node2, node3 do not see the lock "
-        "file rank 0 (node0) wrote there; every rank writes its own checkpoint shards into it, so "
-        "trainer.output_dir must be on a file system every node mounts at the same path"
+        f"the run directory {run} is not the same directory on every node: node2 (ranks 4-5), node3 (rank 6) do "
+        "not see the lock file rank 0 (node0) wrote there; every rank writes its own checkpoint shards into it, "
+        "so trainer.output_dir must be on a file system every node mounts at the same path"
     )
