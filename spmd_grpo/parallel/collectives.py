@@ -180,13 +180,16 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(all_reduce_max(torch.tensor([int(flag)], device=device)).item())
 
 
-def new_tp_groups(world: World, tp: int) -> dist.ProcessGroup | None:
-    """Create every TP subgroup (all ranks must call in the same order) and return this rank's one."""
+def new_tp_groups(world: World, tp: int, *, timeout_s: int) -> dist.ProcessGroup | None:
+    """Create every TP subgroup (all ranks must call in the same order) and return this rank's one.
+
+    `timeout_s`: the default group's (`trainer.collective_timeout_s`). torch does not pass a group's timeout on
+    to its subgroups: without it they get torch's default for their backend (30 min here, 10 min for nccl)."""
     if tp == 1 or world.world_size == 1:
         return None
     mine = None
     for ranks in world.tp_group_ranks(tp):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
         if world.rank in ranks:
             mine = group
     return mine
