@@ -123,7 +123,8 @@ class Trainer:
         self.reference = None  # with LoRA the reference is the policy with its adapters disabled
         if cfg.algorithm.use_kl_loss and not actor.model.lora.enabled:
             self.reference = build_reference(actor, cfg.worker.ref, world)
-        self.tp_group = collectives.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
+        tp, timeout_s = cfg.worker.rollout.tensor_parallel_size, cfg.trainer.collective_timeout_s
+        self.tp_group = collectives.new_tp_groups(world, tp, timeout_s=timeout_s)
         tied = bool(self.policy.config.tie_word_embeddings)
         self.engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tied, sizes=self.sizes)
         self.reward_fn = load_reward_function(

@@ -34,7 +34,8 @@ Ascend NPUs (`torch_npu` + vllm-ascend; only tested here against a fake `torch_n
 
 Collectives live here and say what they reduce. Every collective has the process group's timeout
 (`trainer.collective_timeout_s`), so a dead peer turns into an error rather than a hang; torchrun then
-tears the remaining ranks down.
+tears the remaining ranks down. On Ascend, HCCL's own bound on a device operation (HCCL_EXEC_TIMEOUT) is
+derived from the same value unless the environment sets it (`devices.hccl_exec_timeout_s`).
 
 Stopping and dying (what torchrun does, measured with torch 2.13):
   * SIGTERM/SIGINT to the torchrun agent: it forwards the signal to every worker, waits
@@ -60,7 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmd_grpo.parallel.devices import BACKENDS, device_module, resolve_device_type
+from spmd_grpo.parallel.devices import BACKENDS, device_module, hccl_exec_timeout_s, resolve_device_type
 from spmd_grpo.parallel.signals import exit_with_launcher
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ class World:
 
 def init_distributed(device: str = "auto", timeout_s: int = 1800) -> World:
     """Initialise the default process group from torchrun's environment (or a 1-process world without it).
-    Under torchrun the rank dies with its launcher from here on (`signals.exit_with_launcher`)."""
+    Under torchrun the rank dies with its launcher from here on (`signals.exit_with_launcher`). On npu,
+    HCCL_EXEC_TIMEOUT is set from `timeout_s` first unless the environment has it (`hccl_exec_timeout_s`)."""
     exit_with_launcher()
     device_type = resolve_device_type(device)
     if "RANK" not in os.environ:  # plain `python -m spmd_grpo.train`: a world of one
@@ -106,6 +108,8 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> World:
     if mod is not None:
         mod.set_device(local_rank)
     backend = BACKENDS[device_type]
+    if device_type == "npu":  # before the process group: torch_npu and HCCL read it when it is created
+        os.environ.setdefault("HCCL_EXEC_TIMEOUT", str(hccl_exec_timeout_s(timeout_s)))
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -176,13 +180,16 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(all_reduce_max(torch.tensor([int(flag)], device=device)).item())
 
 
-def new_tp_groups(world: World, tp: int) -> dist.ProcessGroup | None:
-    """Create every TP subgroup (all ranks must call in the same order) and return this rank's one."""
+def new_tp_groups(world: World, tp: int, *, timeout_s: int) -> dist.ProcessGroup | None:
+    """Create every TP subgroup (all ranks must call in the same order) and return this rank's one.
+
+    `timeout_s`: the default group's (`trainer.collective_timeout_s`). torch does not pass a group's timeout on
+    to its subgroups: without it they get torch's default for their backend (30 min here, 10 min for nccl)."""
     if tp == 1 or world.world_size == 1:
         return None
     mine = None
     for ranks in world.tp_group_ranks(tp):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
         if world.rank in ranks:
             mine = group
     return mine

@@ -3,8 +3,8 @@
 `auto` picks npu when `torch_npu` imports and reports a device, else cuda when available, else cpu. The
 default process group gets a host backend as well (`cpu:gloo,cuda:nccl` / `cpu:gloo,npu:hccl`; gloo on cpu)
 so small bookkeeping collectives reduce CPU tensors without a device copy. Memory statistics, cache emptying,
-`expandable_segments`, synchronisation and seeding go through here; nothing else spells a device name. A
-dtype of `auto` is bfloat16 on accelerators and float32 on the CPU (`resolve_dtype`).
+`expandable_segments`, HCCL's execution timeout, synchronisation and seeding go through here; nothing else
+spells a device name. A dtype of `auto` is bfloat16 on accelerators and float32 on the CPU (`resolve_dtype`).
 """
 
 from __future__ import annotations
@@ -124,6 +124,26 @@ def sleep_mode_allocator_error(device_type: str, environ: Mapping[str, str]) -> 
             "refuses (its memory pool asserts at engine build); remove that option"
         )
     return None
+
+
+HCCL_EXEC_MARGIN_S = 60
+HCCL_EXEC_MIN_S = 68  # HCCL's smallest execution timeout
+
+
+def hccl_exec_timeout_s(collective_timeout_s: int) -> int:
+    """HCCL_EXEC_TIMEOUT for `trainer.collective_timeout_s`, which `init_distributed` sets on Ascend when the
+    environment does not.
+
+    HCCL bounds every operation on the device by HCCL_EXEC_TIMEOUT (default 1836 s), read when the process
+    group and its communicators are created, apart from the process group's own timeout (torch_npu's
+    watchdog). A config timeout above HCCL's was silently cut to it (the templates' fixed 1800 s); one below
+    left the device waiting after the watchdog ended the process, and torch_npu then warns that the device
+    log (plog) of the stuck operation may be missing. So the device bound is the config's timeout less
+    `HCCL_EXEC_MARGIN_S`, at least `HCCL_EXEC_MIN_S`: HCCL fails the operation and logs it first, and the
+    watchdog, at the config's timeout, is the backstop. (A process-group timeout of exactly 1800 s, torch_npu's
+    default, is replaced by torch_npu with HCCL_EXEC_TIMEOUT + 1800 s; the device bound still ends the
+    operation at 1740 s. Atlas training series (910) NPUs accept at most 17340 s.)"""
+    return max(HCCL_EXEC_MIN_S, collective_timeout_s - HCCL_EXEC_MARGIN_S)
 
 
 def memory_line(device_type: str, phase: str) -> str:

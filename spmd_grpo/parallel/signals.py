@@ -222,7 +222,9 @@ def _hard_exit(code: int) -> None:
 
 def warn_if_grace_outlasts_shutdown(grace_s: float, *, is_main: bool) -> None:
     """torchrun SIGKILLs its workers `--shutdown_timeout` seconds after forwarding a signal: a longer grace
-    period would be cut short there (the flag itself is invisible to the workers)."""
+    period would be cut short there. The flag itself is invisible to the workers; `spmd_grpo.launch` exports
+    the value torchrun uses as TORCH_ELASTIC_SHUTDOWN_TIMEOUT (derived from the grace when nothing set it),
+    so under it this warns only about a timeout the user chose too short."""
     shutdown_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     if "TORCHELASTIC_RUN_ID" in os.environ and grace_s >= shutdown_s and is_main:
         log.warning(

@@ -11,7 +11,10 @@ complete directory; `latest` disagreed, the log said so and went on), the metric
   * `agree_on_start` (after the process group exists): rank 0's plan is what every rank does. Each rank
     planned from the files it saw, rank 0 alone with the manifests' checksums (manifest.py); one that chose
     otherwise (a corruption only the checksums show, or a shared file system serving a stale view) says
-    so in a warning and follows rank 0, so every rank loads the same checkpoint.
+    so in a warning and follows rank 0, so every rank loads the same checkpoint. The same collective
+    carries each rank's view of the run directory's lock file: a node that does not see the one rank 0
+    wrote has another directory (node-local), and the job stops there, one line and exit code 2
+    (run/lock.py: `unshared_run_dir`).
   * `abandon_branch` (rank 0, before anything is loaded or written): moves those directories, not deletes
     them, to `<run dir>/abandoned/after_step_<k>/` (`.1`, `.2`, ... when that exists) and points `latest`
     at the resumed checkpoint. The metrics rows of the abandoned steps (> k) are moved to
@@ -23,12 +26,15 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import TypeVar
 
 from spmd_grpo.parallel.collectives import World, all_gather_objects, barrier
+from spmd_grpo.parallel.signals import say_once_and_exit
 from spmd_grpo.run.checkpoint import write_atomic
 from spmd_grpo.run.checkpoint_dirs import CHECKPOINTS, LATEST, step_of
+from spmd_grpo.run.lock import lock_text, unshared_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +54,13 @@ def later_checkpoints(run_dir: Path, checkpoint: Path) -> tuple[Path, ...]:
 
 
 def agree_on_start(plan: Plan, world: World) -> Plan:
-    """Rank 0's plan, on every rank (collective). A rank whose own plan differs warns, naming both."""
-    chosen = all_gather_objects(plan)[0]
+    """Rank 0's plan, on every rank (collective). A rank whose own plan differs warns, naming both; a run
+    directory some node sees elsewhere ends the job (exit code 2), said once."""
+    views = all_gather_objects((plan, socket.gethostname(), lock_text(plan.run_dir)))
+    unshared = unshared_run_dir(plan.run_dir, [(host, text) for _, host, text in views])
+    if unshared:
+        say_once_and_exit(f"config error: {unshared}", world.rank)
+    chosen = views[0][0]
     if (plan.checkpoint, plan.abandoned) != (chosen.checkpoint, chosen.abandoned):
         log.warning(
             "rank %d read the run directory differently (resume %s, abandoned %s) from rank 0 (resume %s, "

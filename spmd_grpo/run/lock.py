@@ -17,6 +17,12 @@ file system, no space for the first write) is a `ConfigError` naming the path, b
 `check_writable` creates the directory and writes, fsyncs and deletes a small file in it (every rank, and
 `spmd_grpo.launch` once before it starts them); `lock_run_dir` and `name_holder` report their own failures
 the same way. `check_not_locked` lets the launcher refuse a directory in use without holding the lock.
+
+A run directory that is not one directory for every node (a node-local path such as /tmp, or a mount
+missing on one node) passed every check above on each node, and each rank then wrote its checkpoint shards
+where only its own node sees them: every checkpoint was found damaged at the first resume. Once the process
+group exists, every rank reads the lock file and `unshared_run_dir` compares what each host saw with what
+rank 0 wrote (run/lineage.py: `agree_on_start`, in the collective it makes anyway).
 """
 
 from __future__ import annotations
@@ -142,3 +148,40 @@ def unusable_run_dir(run_dir: Path, file: Path | None = None) -> Iterator[None]:
             f"the run directory {run_dir} cannot be used: {why} (trainer.output_dir / "
             "trainer.experiment_name name it)"
         ) from None
+
+
+def lock_text(run_dir: Path) -> str | None:
+    """The lock file of `run_dir` as this process reads it (None: none readable)."""
+    try:
+        return (run_dir / LOCK).read_text()
+    except OSError:
+        return None
+
+
+def unshared_run_dir(run_dir: Path, views: list[tuple[str, str | None]]) -> str | None:
+    """Why `run_dir` is not one directory for every rank, or None. `views`: each rank's (host name,
+    `lock_text`), in rank order; rank 0 wrote the lock file, so a host that reads something else (or
+    nothing) sees another directory."""
+    host_0, text_0 = views[0]
+    ranks_by_host: dict[str, list[int]] = {}
+    for rank, (host, text) in enumerate(views):
+        if text != text_0:
+            ranks_by_host.setdefault(host, []).append(rank)
+    if not ranks_by_host:
+        return None
+    elsewhere = ", ".join(f"{host} ({_ranks(ranks)})" for host, ranks in ranks_by_host.items())
+    return (
+        f"the run directory {run_dir} is not the same directory on every node: {elsewhere} "
+        f"{'does' if len(ranks_by_host) == 1 else 'do'} not see the lock file rank 0 ({host_0}) wrote there; "
+        "every rank writes its own checkpoint shards into it, so trainer.output_dir must be on a file system "
+        "every node mounts at the same path"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """`rank 3`, `ranks 8-15` (consecutive) or `ranks 1, 5`."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks))}"

@@ -50,6 +50,7 @@ OUTRO = """
 | `HF_HUB_OFFLINE=1` | hub model ids must be in the local Hugging Face cache (`HF_HOME`, `HF_HUB_CACHE`) |
 | `SPMD_GRPO_ALLOW_UNTESTED_VERSIONS=1` | a package outside the tested versions is a warning instead of an error |
 | `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` | compared with `trainer.preempt_grace_s` at start-up (warning) |
+| `HCCL_EXEC_TIMEOUT` | Ascend: HCCL's bound on one device operation; unset, each rank sets `trainer.collective_timeout_s` - 60 s (at least 68) before its process group forms |
 | `MLFLOW_TRACKING_URI`, `WANDB_MODE`, `SWANLAB_MODE` | the trackers' own settings |"""
 
 

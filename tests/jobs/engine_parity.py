@@ -126,6 +126,9 @@ def parse_cases(argv: list[str]) -> list[argparse.Namespace]:
     return cases
 
 
+TIMEOUT_S = 1800  # the default group's and the TP groups' (trainer.collective_timeout_s's default)
+
+
 def process_group(case_index: int, device: str):
     """The default process group for case `case_index`: the first is made from torchrun's environment; vLLM's
     teardown of the previous case destroyed it, so a later one is made again (`new_process_group`)."""
@@ -133,7 +136,7 @@ def process_group(case_index: int, device: str):
 
     if case_index > 0 and not dist.is_initialized():
         new_process_group(f"engine_parity_case{case_index}")
-    return init_distributed(device)
+    return init_distributed(device, timeout_s=TIMEOUT_S)
 
 
 def main() -> None:
@@ -167,7 +170,7 @@ def run_case(args: argparse.Namespace, world) -> None:
     from transformers import AutoProcessor
 
     torch.manual_seed(0)
-    tp_group = new_tp_groups(world, args.tp)
+    tp_group = new_tp_groups(world, args.tp, timeout_s=TIMEOUT_S)
     processor = AutoProcessor.from_pretrained(args.model_dir)
     # The engine is built from a run config as the trainer builds it (`RolloutEngine.from_config`); 1 MiB
     # buckets so the tiny model's push spans several buckets.

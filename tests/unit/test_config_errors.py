@@ -730,10 +730,15 @@ def test_a_run_directory_without_write_permission_is_one_line_naming_it():
 def test_the_launcher_says_a_config_error_once_before_starting_any_rank(files, monkeypatch, capsys):
     """`python -m spmd_grpo.launch --nnodes 2 --nproc_per_node 2 -m spmd_grpo.train ...`: the config is
     checked for a world of 4 in the launcher itself; a mistake is one line, exit 2, and torchrun never starts a rank (it
-    is replaced here by a stand-in that fails the test). A valid config passes the check."""
+    is replaced here by a stand-in that fails the test). A valid config passes the check, and torchrun (and the
+    ranks it starts) find the shutdown timeout it will use in TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the flag's, else
+    the config's grace period plus a margin, never below torchrun's own 30 s."""
     from spmd_grpo import launch
 
+    shutdown_s: list[str | None] = []
+
     def torchrun(argv):
+        shutdown_s.append(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"))
         raise ReachedTrainer
 
     monkeypatch.setattr("torch.distributed.run.main", torchrun)
@@ -750,6 +755,15 @@ def test_the_launcher_says_a_config_error_once_before_starting_any_rank(files, m
         lines = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("config error: "), lines
         assert says in lines[0], lines[0]
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")  # unset now and after the test
+    assert not shutdown_s  # torchrun never started
     with pytest.raises(ReachedTrainer):  # the control: the valid config goes on to torchrun
         launch.main(head)
     assert capsys.readouterr().err == ""
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    with pytest.raises(ReachedTrainer):
+        launch.main([*head, "trainer.preempt_grace_s=100"])
+    with pytest.raises(ReachedTrainer):
+        launch.main(["--shutdown_timeout", "200", *head, "trainer.preempt_grace_s=100"])
+    assert shutdown_s == ["30", "105", "200"]  # grace 25 s (the default) + 5; 100 + 5; the flag

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from spmd_grpo.parallel.collectives import init_distributed
 from spmd_grpo.parallel.devices import (
     empty_cache,
+    hccl_exec_timeout_s,
     max_memory_allocated_gb,
     memory_line,
     resolve_device_type,
@@ -115,6 +116,31 @@ def test_init_distributed_on_npu_uses_hccl_and_local_rank(fake_npu, recorded_ini
     assert kwargs["backend"] == "cpu:gloo,npu:hccl"  # host tensors (counts, metrics) over gloo
     assert kwargs["timeout"].total_seconds() == 123
     assert kwargs["device_id"] is None  # hccl is created lazily, as verl does
+
+
+def test_hccl_exec_timeout_follows_the_collective_timeout_unless_the_environment_sets_it(
+    fake_npu, monkeypatch
+):
+    """HCCL reads HCCL_EXEC_TIMEOUT when the process group is created: it must be in the environment by
+    then, a little below the process group's timeout (the device fails the operation before the watchdog),
+    and a value the user exported wins. Nothing is set off the NPU."""
+    seen: list[str | None] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda **kw: seen.append(os.environ.get("HCCL_EXEC_TIMEOUT"))
+    )
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "")
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT")  # unset now, and unset again after the test
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+
+    init_distributed("cpu", timeout_s=3600)
+    init_distributed("npu", timeout_s=3600)
+    assert seen == [None, "3540"]
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "900")
+    init_distributed("npu", timeout_s=3600)
+    assert seen[-1] == "900"
+    assert hccl_exec_timeout_s(1800) == 1740 and hccl_exec_timeout_s(3) == 68  # HCCL's smallest
 
 
 def test_auto_init_on_npu_machine(fake_npu, recorded_init, monkeypatch):

@@ -1,6 +1,7 @@
 """One job per run directory, with real processes and the real kernel lock: a second job is refused at once
 naming the holder (host, pid, start time); `kill -9` of the holder leaves no stale lock; the CLI refuses with
-one line and exit code 2 before anything else is written."""
+one line and exit code 2 before anything else is written. A run directory that is not the same directory on
+every node (node-local) is named by the hosts that do not see the holder's lock file."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from spmd_grpo.config.checks import ConfigError
-from spmd_grpo.run.lock import LOCK, check_not_locked, lock_run_dir, name_holder
+from spmd_grpo.run.lock import LOCK, check_not_locked, lock_run_dir, lock_text, name_holder, unshared_run_dir
 from tests.conftest import REPO, checkpoint_stand_in
 
 HOLD = """
@@ -89,3 +90,23 @@ def test_the_cli_refuses_with_one_line_and_exit_2(holder, tmp_path):
     assert f"pid {proc.pid}," in line
     assert sorted(p.name for p in run.iterdir()) == before  # nothing written
     assert time.monotonic() - start < 60
+
+
+def test_a_run_directory_some_nodes_see_elsewhere_is_named_by_host(holder, tmp_path):
+    """Each rank's (host, view of the lock file), as `agree_on_start` gathers them; rank 0 holds the lock
+    (here the holder process). Nodes that mount the run directory read what it wrote; a node-local directory
+    of the same name holds no lock file, or an earlier job's."""
+    run, _ = holder
+    local, stale = tmp_path / "node_local", tmp_path / "stale"
+    local.mkdir()
+    stale.mkdir()
+    (stale / LOCK).write_text("host old, pid 1, started 2026-01-01 00:00:00 UTC\n")
+    shared = [("node0", lock_text(run))] * 2 + [("node1", lock_text(run))] * 2
+    assert lock_text(run).startswith("host ") and unshared_run_dir(run, shared) is None
+    views = [*shared, ("node2", lock_text(local)), ("node2", lock_text(local)), ("node3", lock_text(stale))]
+    assert lock_text(local) is None
+    assert unshared_run_dir(run, views) == (
+        f"the run directory {run} is not the same directory on every node: node2 (ranks 4-5), node3 (rank 6) do "
+        "not see the lock file rank 0 (node0) wrote there; every rank writes its own checkpoint shards into it, "
+        "so trainer.output_dir must be on a file system every node mounts at the same path"
+    )
