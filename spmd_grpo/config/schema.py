@@ -191,10 +191,11 @@ class TrainerConfig:
     allow_config_change: tuple[str, ...] = ()
     """Keys allowed to differ on resume although they change what the saved state means (model, data, ...)."""
     collective_timeout_s: c.Positive = 1800
-    """Timeout of every collective: the waiting ranks raise, naming the ranks still in a phase."""
+    """Timeout of every collective: the waiting ranks fail, naming the ranks still in a phase (on Ascend
+    HCCL_EXEC_TIMEOUT is 60 s less unless set)."""
     preempt_grace_s: Annotated[c.Float, Field(gt=0, le=c.C_INT_MAX)] = 25.0
     """After SIGTERM/SIGINT: save at the next step boundary, or exit (128 + signal) with no new checkpoint
-    after this long. Keep it below torchrun's --shutdown_timeout and Slurm's KillWait."""
+    after this long. Keep it below Slurm's KillWait (`spmd_grpo.launch` sets torchrun's shutdown timeout)."""
     log_every: c.Positive = 1
     """The console logger's line interval (the first and last steps are always printed)."""
     log_memory: c.Bool = True

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import TypeVar
 
@@ -53,13 +54,27 @@ def later_checkpoints(run_dir: Path, checkpoint: Path) -> tuple[Path, ...]:
     return tuple(path for _, path in sorted(later))
 
 
-def agree_on_start(plan: Plan, world: World) -> Plan:
+LOCK_VIEW_WAIT_S = 60
+"""How long a rank that does not see rank 0's lock file yet reads it again before the run directory counts
+as another directory: NFS clients cache a directory's lookups for up to `acdirmax` (60 s by default), so a
+file another node created a moment ago may be missing there for that long."""
+
+
+def agree_on_start(plan: Plan, world: World, timeout_s: int) -> Plan:
     """Rank 0's plan, on every rank (collective). A rank whose own plan differs warns, naming both; a run
-    directory some node sees elsewhere ends the job (exit code 2), said once."""
-    views = all_gather_objects((plan, socket.gethostname(), lock_text(plan.run_dir)))
-    unshared = unshared_run_dir(plan.run_dir, [(host, text) for _, host, text in views])
-    if unshared:
-        say_once_and_exit(f"config error: {unshared}", world.rank)
+    directory some node sees elsewhere ends the job (exit code 2), said once, after the ranks that did not see
+    rank 0's lock file read it again for up to `LOCK_VIEW_WAIT_S` (at most half `timeout_s`, the collective
+    timeout the other ranks wait under)."""
+    host = socket.gethostname()
+    views = all_gather_objects((plan, host, lock_text(plan.run_dir)))
+    if unshared_run_dir(plan.run_dir, [(h, text) for _, h, text in views]):  # every rank takes this branch
+        expected, deadline = views[0][2], time.monotonic() + min(LOCK_VIEW_WAIT_S, timeout_s / 2)
+        while (text := lock_text(plan.run_dir)) != expected and time.monotonic() < deadline:
+            time.sleep(1)
+        views = all_gather_objects((plan, host, text))
+        unshared = unshared_run_dir(plan.run_dir, [(h, text) for _, h, text in views])
+        if unshared:
+            say_once_and_exit(f"config error: {unshared}", world.rank)
     chosen = views[0][0]
     if (plan.checkpoint, plan.abandoned) != (chosen.checkpoint, chosen.abandoned):
         log.warning(

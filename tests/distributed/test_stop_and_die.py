@@ -182,3 +182,17 @@ def test_a_data_set_that_cannot_be_trained_on_is_one_line_and_exit_2(tmp_path):
         said
     )
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
+
+
+def test_a_lock_file_seen_late_is_waited_for_and_one_never_seen_ends_the_job_with_exit_2(tmp_path):
+    """A run directory is compared across nodes by rank 0's lock file (tests/jobs/run_dir_views.py): a node
+    that sees it 2 s late (NFS caches lookups up to a minute) is waited for; one that never sees it (a
+    node-local directory) ends the job with one line naming its host, exit code 2, after the re-reading."""
+    cmd, env = torchrun_command(["tests/jobs/run_dir_views.py", str(tmp_path)], launcher="spmd_grpo.launch")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert all((tmp_path / f"rank{r}.agreed").exists() for r in (0, 1)), output[-3000:]
+    said = [line for line in output.splitlines() if "config error" in line]
+    assert len(said) == 1 and "is not the same directory on every node" in said[0], said
+    assert "(rank 1) does not see the lock file rank 0" in said[0], said
