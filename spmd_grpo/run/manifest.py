@@ -7,7 +7,7 @@ and the config) right after writing them, while they are still in the page cache
 and writes `manifest.json` before `trainer_state.json`, so a complete checkpoint always has one.
 
 `verify_manifest` names every listed file that is missing, has another size, or (with `checksums`) another
-CRC-32. Sizes cost a `stat` per file; checksums read every byte. `run.start.plan_start` checks sizes on every
+CRC-32. Sizes cost a `stat` per file; checksums read every byte, `VERIFY_THREADS` files at a time. `run.start.plan_start` checks sizes on every
 rank and checksums on rank 0 only, whose choice every rank then follows (run/lineage.py `agree_on_start`):
 one full read of the checkpoint per job, not one per rank.
 
@@ -23,10 +23,14 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MANIFEST = "manifest.json"
 _CHUNK = 16 << 20
+VERIFY_THREADS = min(16, os.cpu_count() or 1)
+"""Files checksummed at once at resume (reads and `zlib.crc32` release the GIL): a checkpoint's shard files
+are read in parallel, up to what the storage and the node's cores give (one chunk of memory per thread)."""
 
 
 def file_crc32(path: Path) -> int:
@@ -67,7 +71,7 @@ def verify_manifest(root: Path, *, checksums: bool) -> list[str] | None:
         items = [(name, int(e["size"]), str(e["crc32"])) for name, e in files.items()]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"{path}: unreadable ({type(e).__name__})"]
-    problems = []
+    problems, to_read = [], []
     for name, size, crc in items:
         file = root / name
         have = file.stat().st_size if file.is_file() else -1
@@ -75,6 +79,11 @@ def verify_manifest(root: Path, *, checksums: bool) -> list[str] | None:
             problems.append(
                 f"{file}: " + ("missing" if have < 0 else f"{have} bytes, the manifest says {size}")
             )
-        elif checksums and (got := f"{file_crc32(file):08x}") != crc:
-            problems.append(f"{file}: CRC-32 {got}, the manifest says {crc} (corrupted)")
+        elif checksums:
+            to_read.append((file, crc))
+    with ThreadPoolExecutor(max(1, min(VERIFY_THREADS, len(to_read)))) as pool:
+        got = pool.map(file_crc32, [file for file, _ in to_read])
+        for (file, crc), value in zip(to_read, got, strict=True):
+            if f"{value:08x}" != crc:
+                problems.append(f"{file}: CRC-32 {value:08x}, the manifest says {crc} (corrupted)")
     return problems
