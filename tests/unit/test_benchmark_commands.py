@@ -5,6 +5,7 @@ that the training-run benchmarks start pass the config checks (through the scrip
 renamed loader helper once stopped step_throughput at its first run)."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -23,10 +24,12 @@ UNDER_TORCHRUN = re.compile(r"torchrun[^`\n]*?benchmarks/(\w+)\.py")
 OPTION = re.compile(r"(?<![\w-])--?[a-zA-Z][\w-]*")
 
 
-def defined_options(script: Path) -> set[str]:
-    """The option strings of every `add_argument` call in `script`, and argparse's own -h/--help."""
+@functools.cache
+def defined_options(script: Path) -> frozenset[str]:
+    """The option strings of every `add_argument` call in `script`, and argparse's own -h/--help (each script
+    parsed once: the pages name the same scripts about 80 times)."""
     calls = [n for n in ast.walk(ast.parse(script.read_text())) if isinstance(n, ast.Call)]
-    return {"-h", "--help"} | {
+    return frozenset({"-h", "--help"}) | {
         a.value
         for call in calls
         if isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument"

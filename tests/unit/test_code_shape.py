@@ -12,7 +12,9 @@ Limits (measured on the source with `ast`, so they cannot drift from the code):
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -24,15 +26,26 @@ MAX_POSITIONAL = 6
 MAX_LOOP_BODY_LINES = 80
 
 
-def _functions(path: Path):
+class _Function(NamedTuple):
+    name: str
+    lineno: int
+    lines: int  # docstring included
+    positional: int  # parameters that are not keyword-only, `self` counted
+
+
+@functools.cache
+def _functions(path: Path) -> tuple[_Function, ...]:
+    """Every function and method in `path` (each file parsed once for the tests here)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            yield node
+    return tuple(
+        _Function(n.name, n.lineno, n.end_lineno - n.lineno + 1, len(n.args.posonlyargs) + len(n.args.args))
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    )
 
 
-def _where(path: Path, node: ast.AST) -> str:
-    return f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {getattr(node, 'name', '')}"
+def _where(path: Path, f: _Function) -> str:
+    return f"{path.relative_to(PACKAGE.parent)}:{f.lineno} {f.name}"
 
 
 def test_sources_found():
@@ -50,20 +63,20 @@ def test_no_long_modules():
 
 def test_no_long_functions():
     long = [
-        f"{_where(p, f)} ({f.end_lineno - f.lineno + 1} lines)"
+        f"{_where(p, f)} ({f.lines} lines)"
         for p in SOURCES
         for f in _functions(p)
-        if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES
+        if f.lines > MAX_FUNCTION_LINES
     ]
     assert not long, long
 
 
 def test_few_positional_parameters():
     wide = [
-        f"{_where(p, f)} ({len(f.args.posonlyargs) + len(f.args.args)} positional)"
+        f"{_where(p, f)} ({f.positional} positional)"
         for p in SOURCES
         for f in _functions(p)
-        if len(f.args.posonlyargs) + len(f.args.args) > MAX_POSITIONAL
+        if f.positional > MAX_POSITIONAL
     ]
     assert not wide, wide
 

@@ -93,9 +93,15 @@ def _directory(tmp_path: Path) -> tuple[Path, dict[str, dict[int, str]]]:
     return d, expected
 
 
+@pytest.fixture(scope="module")
+def bad_rows_dir(tmp_path_factory) -> tuple[Path, dict[str, dict[int, str]]]:
+    """`_directory`, written once for the tests below, which only read it."""
+    return _directory(tmp_path_factory.mktemp("bad_rows"))
+
+
 # ------------------------------------------------------------------------------------------ split load
-def test_directory_bad_rows_name_file_and_row(tmp_path, processor, caplog):
-    d, expected = _directory(tmp_path)
+def test_directory_bad_rows_name_file_and_row(bad_rows_dir, processor, caplog):
+    d, expected = bad_rows_dir
     with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         examples = load_dataset(_cfg(d, max_bad_fraction=0.2), processor)
     bad = {
@@ -114,8 +120,8 @@ def test_directory_bad_rows_name_file_and_row(tmp_path, processor, caplog):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 7])
-def test_split_load_equals_single_process(tmp_path, processor, caplog, world_size):
-    d, _ = _directory(tmp_path)
+def test_split_load_equals_single_process(bad_rows_dir, processor, caplog, world_size):
+    d, _ = bad_rows_dir
     cfg = _cfg(d, max_bad_fraction=0.2, max_prompt_length=100)
     with caplog.at_level(logging.WARNING, logger="spmd_grpo.data.dataset"):
         single = load_dataset(cfg, processor)
@@ -131,16 +137,16 @@ def test_split_load_equals_single_process(tmp_path, processor, caplog, world_siz
         assert [im.size for im in rank_examples[-1].images] == [im.size for im in single[-1].images]
 
 
-def test_too_many_bad_rows_fail_on_every_rank(tmp_path, processor):
-    d, _ = _directory(tmp_path)
+def test_too_many_bad_rows_fail_on_every_rank(bad_rows_dir, processor):
+    d, _ = bad_rows_dir
     ranks = split_load(_cfg(d, max_bad_fraction=0.05), processor, 3)
     messages = {str(r) for r in ranks}
     assert all(isinstance(r, ValueError) for r in ranks) and len(messages) == 1
     assert f"{d / 'a.parquet'}: 2 of 21 rows are bad" in messages.pop()
 
 
-def test_a_read_error_on_one_rank_reaches_every_rank(tmp_path, processor, monkeypatch):
-    d, _ = _directory(tmp_path)
+def test_a_read_error_on_one_rank_reaches_every_rank(bad_rows_dir, processor, monkeypatch):
+    d, _ = bad_rows_dir
     read = sources._ParquetRows.read
 
     def flaky(self, start, stop):

@@ -6,6 +6,7 @@ it, and a subpackage's `__init__` is only its module map. The same stack is draw
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -47,13 +48,23 @@ def _part(module: str) -> str:
     return module.split(".")[0]
 
 
-def _imports(path: Path) -> set[str]:
+@functools.cache
+def _import_statements(path: Path) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """Every import statement in `path`, at the top level or inside functions. Cached: each file is parsed once
+    for all the tests here, which read it up to seven times."""
+    return tuple(
+        n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import | ast.ImportFrom)
+    )
+
+
+@functools.cache
+def _imports(path: Path) -> frozenset[str]:
     """spmd_grpo modules (or packages) imported anywhere in `path` (top level or inside functions)."""
     package = _module_name(path).split(".")
     if path.stem != "__init__":
         package = package[:-1]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _import_statements(path):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
@@ -74,7 +85,7 @@ def _imports(path: Path) -> set[str]:
             out.update(
                 a.name.removeprefix("spmd_grpo.") for a in node.names if a.name.startswith("spmd_grpo.")
             )
-    return out
+    return frozenset(out)
 
 
 SOURCES = {_module_name(p): p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py"}
@@ -157,7 +168,7 @@ def test_rl_math_has_no_collectives():
 def test_nothing_outside_tests_imports_tests(folder):
     hits = []
     for path in (REPO / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _import_statements(path):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
             hits += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] == "tests"]
@@ -187,7 +198,7 @@ def test_names_are_imported_from_the_module_that_defines_them(folder):
     (importing a module from its package, `from spmd_grpo.models import build`, is fine)."""
     packages, through_a_package = _packages(), []
     for path in (REPO / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _import_statements(path):
             if isinstance(node, ast.ImportFrom) and not node.level and node.module in packages:
                 folder_of = REPO / node.module.replace(".", "/")
                 through_a_package += [
@@ -200,7 +211,8 @@ def test_names_are_imported_from_the_module_that_defines_them(folder):
     assert not through_a_package, through_a_package
 
 
-def _top_level_names(module: Path) -> set[str]:
+@functools.cache
+def _top_level_names(module: Path) -> frozenset[str]:
     """The names a module defines or imports at its top level (what `from module import name` can find)."""
     names, body = set(), list(ast.parse(module.read_text()).body)
     while body:
@@ -215,7 +227,7 @@ def _top_level_names(module: Path) -> set[str]:
         elif isinstance(node, ast.Assign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    return names
+    return frozenset(names)
 
 
 @pytest.mark.parametrize("folder", ["spmd_grpo", "tests", "benchmarks"])
@@ -224,7 +236,7 @@ def test_every_imported_name_exists(folder):
     fails here, not when a benchmark or a test job that imports it lazily is next run."""
     missing = []
     for path in (REPO / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _import_statements(path):
             if not (isinstance(node, ast.ImportFrom) and not node.level and node.module):
                 continue
             target = REPO / node.module.replace(".", "/")

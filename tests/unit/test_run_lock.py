@@ -5,17 +5,20 @@ every node (node-local) is named by the hosts that do not see the holder's lock 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.run.lock import LOCK, check_not_locked, lock_run_dir, lock_text, name_holder, unshared_run_dir
+from spmd_grpo.train import main
 from tests.conftest import REPO, checkpoint_stand_in
 
 HOLD = """
@@ -74,20 +77,30 @@ def test_the_launchers_probe_refuses_a_held_directory_and_holds_nothing(holder, 
     lock_run_dir(free)  # not held by the probe
 
 
-def test_the_cli_refuses_with_one_line_and_exit_2(holder, tmp_path):
+def test_the_cli_refuses_with_one_line_and_exit_2(holder, tmp_path, monkeypatch, capsys, caplog):
+    """`spmd_grpo.train.main` as rank 0 of a one-rank job, in this process (a subprocess would pay torch's
+    import again for seconds; `python -m spmd_grpo.train`'s own one-line exit 2 is tests/unit/test_config.py's,
+    and one past the lock check on a real run directory is tests/engine/test_resume.py's)."""
     run, proc = holder
     checkpoint_stand_in(tmp_path / "model")  # enough to validate
     before = sorted(p.name for p in run.iterdir())
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    trainer = types.ModuleType("spmd_grpo.trainer")  # were the lock not checked, the job would stop here
+    trainer.run = lambda *_: pytest.fail("the CLI started the job in a locked run directory")
+    monkeypatch.setitem(sys.modules, "spmd_grpo.trainer", trainer)
     start = time.monotonic()
-    cli = subprocess.run(
-        [sys.executable, "-m", "spmd_grpo.train", "configs/smoke.yaml", f"trainer.output_dir={run.parent}",
-         f"trainer.experiment_name={run.name}", "worker.actor.model.model_path=" + str(tmp_path / "model")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert cli.returncode == 2, cli.stderr
-    (line,) = cli.stderr.strip().splitlines()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["configs/smoke.yaml", f"trainer.output_dir={run.parent}", f"trainer.experiment_name={run.name}",
+              "worker.actor.model.model_path=" + str(tmp_path / "model")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    (line,) = err.strip().splitlines()
     assert line.startswith(f"config error: the run directory {run} is in use by another job (host ")
     assert f"pid {proc.pid}," in line
+    # A warning logged on the way would be a second line on a real run's stderr (logging's last resort).
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert sorted(p.name for p in run.iterdir()) == before  # nothing written
     assert time.monotonic() - start < 60
 

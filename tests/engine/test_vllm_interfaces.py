@@ -1,8 +1,14 @@
-"""The logits processor that makes the vision special tokens unsamplable, under both of vLLM 0.32's model
-runners. The CPU engine tests run it under the V1 runner (the CPU build has no Triton); the V2 runner (the
-CUDA default, and the one that returns routed experts) loads processors through its own loader, which
-refuses a class that does not derive from its base when the engine is built. Its loader and request-state
-type import without a GPU, so the V2 path is exercised here with vLLM's own code and a real engine config.
+"""Our code inside vLLM's own classes, without building an engine: tests of the seam with vLLM, kept with the
+other vLLM tests. Importing vLLM costs the test process about 2 s and its exit about 1 s more, a tenth of the
+unit tier's budget, which is why no unit test imports it.
+
+* The logits processor that makes the vision special tokens unsamplable, under both of vLLM 0.32's model
+  runners. The CPU engine tests run it under the V1 runner (the CPU build has no Triton); the V2 runner (the
+  CUDA default, and the one that returns routed experts) loads processors through its own loader, which
+  refuses a class that does not derive from its base when the engine is built. Its loader and request-state
+  type import without a GPU, so the V2 path is exercised here with vLLM's own code and a real engine config.
+* The engine argument the platform layer adds for vllm-ascend (`additional_config`, tests/unit/test_device_npu.py
+  for what it holds) is one vLLM's `EngineArgs` takes.
 """
 
 from __future__ import annotations
@@ -58,3 +64,12 @@ def test_the_v1_runner_builds_and_applies_it(vllm_config):
     processor = cls(vllm_config, torch.device("cpu"), False)
     vocab = vllm_config.model_config.get_vocab_size()
     _masked(processor.apply(torch.zeros(2, vocab)), unsamplable_token_ids(vllm_config.model_config.hf_config))
+
+
+def test_vllm_takes_the_additional_config_the_npu_engine_gets():
+    """vllm-ascend reads weight_nz_mode from vLLM's `additional_config` (`platform_llm_kwargs("npu")`)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert "additional_config" in {f.name for f in dataclasses.fields(EngineArgs)}
