@@ -8,8 +8,8 @@ and writes `manifest.json` before `trainer_state.json`, so a complete checkpoint
 
 `verify_manifest` names every listed file that is missing, has another size, or (with `checksums`) another
 CRC-32. Sizes cost a `stat` per file; checksums read every byte, `VERIFY_THREADS` files at a time.
-`run.start.plan_start` checks sizes on every rank and checksums on rank 0 only, whose choice every rank then follows (run/lineage.py `agree_on_start`):
-one full read of the checkpoint per job, not one per rank.
+`run.start.plan_start` checks sizes on every rank and checksums on rank 0 only, whose choice every rank
+then follows (run/lineage.py `agree_on_start`): one full read of the checkpoint per job, not one per rank.
 
 CRC-32 (`zlib.crc32`, read in 16 MiB chunks) detects every burst error up to 32 bits and random damage
 with probability 1 - 2**-32; it is not a defence against deliberate tampering (nor is anything here: a
