@@ -11,11 +11,10 @@ complete directory; `latest` disagreed, the log said so and went on), the metric
   * `agree_on_start` (after the process group exists): rank 0's plan is what every rank does. Each rank
     planned from the files it saw (sizes and headers); one that chose otherwise (a shared file system
     serving a stale view, or files that changed while the ranks read them) says so in a warning and follows
-    rank 0, so every rank loads the same checkpoint. The ranks then verify its checksums together
-    (run/verify.py). The same collective
-    carries each rank's view of the run directory's lock file: a node that does not see the one rank 0
-    wrote has another directory (node-local), and the job stops there, one line and exit code 2
-    (run/lock.py: `unshared_run_dir`).
+    rank 0, so every rank loads the same checkpoint (whose checksums the ranks then verify together:
+    run/verify.py). The same collective carries each rank's view of the run directory's lock file: a node
+    that does not see the one rank 0 wrote has another directory (node-local), and the job stops there, one
+    line and exit code 2 (run/lock.py: `unshared_run_dir`).
   * `abandon_branch` (rank 0, before anything is loaded or written): moves those directories, not deletes
     them, to `<run dir>/abandoned/after_step_<k>/` (`.1`, `.2`, ... when that exists) and points `latest`
     at the resumed checkpoint. The metrics rows of the abandoned steps (> k) are moved to
