@@ -13,8 +13,8 @@ process (same options, same agent, same forwarding of signals to the ranks) and 
   * anything else as torchrun (0, or 1 with its failure report).
 
 Before torchrun starts any rank, a `-m spmd_grpo.train` job's config is checked here, once (the same checks
-every rank runs: `spmd_grpo.train.prepare`, without locking the run directory and without the checkpoint
-checksums, which rank 0 verifies): a mistake prints its one line once and exits 2 within seconds, instead
+every rank runs: `spmd_grpo.train.prepare`, without locking the run directory; checkpoints by size, as
+there, their checksums being verified by the ranks once the process group exists): a mistake prints its one line once and exits 2 within seconds, instead
 of once per rank after every rank has imported torch, with torchrun's `ChildFailedError` report after it.
 The world size is `--nnodes` x `--nproc_per_node`; with an elastic node range (`--nnodes MIN:MAX`) it is not
 known yet and the check is left to the ranks. A rank can still stop at a config error the launcher did not

@@ -68,10 +68,10 @@ def prepare(argv: list[str], world_size: int, *, rank: int | None) -> tuple[Conf
     run directory and the start plan (ConfigError / ValueError / VersionError: one line for the user).
     None after a `--dry-run` printed its plan.
 
-    `rank`: this rank under torchrun; rank 0 locks the run directory (one job per run directory) and
-    verifies the checkpoints' checksums. None: `spmd_grpo.launch` checking once before it starts the ranks
-    (nothing is locked, the lock is only probed; checkpoint sizes only, the checksums are left to rank 0;
-    a `--dry-run` is left to the ranks)."""
+    `rank`: this rank under torchrun; rank 0 locks the run directory (one job per run directory). Every
+    rank checks the checkpoints' sizes and headers; their checksums are verified after the process group
+    forms, by all ranks together (run/verify.py). None: `spmd_grpo.launch` checking once before it starts
+    the ranks (nothing is locked, the lock is only probed; a `--dry-run` is left to the ranks)."""
     path, overrides, dry_run_options = parse_args(argv)
     cfg = load_config(path, overrides)
     if dry_run_options is not None:

@@ -65,6 +65,7 @@ from spmd_grpo.rollout.validation import VAL_SEED_OFFSET, validate
 from spmd_grpo.run.checkpoint import load_or_fall_back, save_checkpoint
 from spmd_grpo.run.lineage import abandon_branch, agree_on_start
 from spmd_grpo.run.start import StartPlan, plain_config, plan_start, write_run_config
+from spmd_grpo.run.verify import verify_start
 from spmd_grpo.telemetry.loggers import Loggers, build_loggers, setup_logging
 from spmd_grpo.telemetry.metrics import Timer, perf_metrics, sample_metrics
 
@@ -400,6 +401,7 @@ def _run(cfg: Config, plan: StartPlan | None, stop: StopOnSignal) -> None:
     world = collectives.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     setup_logging(cfg.run_dir, world)
     plan = agree_on_start(plan, world, cfg.trainer.collective_timeout_s)  # rank 0 decides for every rank
+    plan = verify_start(plan, cfg, world)  # the checksums, a share per rank; a damaged one: the previous
     if world.is_main:
         from spmd_grpo.versions import check_versions, version_line
 

@@ -4,6 +4,7 @@
     checkpoint_dirs.py  the checkpoint directories: complete, damaged, and the one a resume takes
     start.py       `plan_start`: new run or resume, and which config changes a resume accepts
     manifest.py    size and CRC-32 of every checkpoint file, written at save and verified before a resume
+    verify.py      `verify_start`: the resumed checkpoint's checksums, a share per rank after the group forms
     lineage.py     a resume from an earlier checkpoint sets the later ones (an abandoned branch) aside
     lock.py        one job per run directory: an exclusive lock rank 0 holds for the job's life
     preflight.py   what the config points to exists here (model, reward file, family, LoRA targets)

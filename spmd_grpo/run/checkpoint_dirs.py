@@ -142,34 +142,32 @@ def _not_a_checkpoint(resume: str, path: Path, missing: list[str]) -> str:
 
 
 def find_checkpoint(
-    run_dir: Path, resume: str, *, checksums: bool = True, rank: int | None = 0
+    run_dir: Path,
+    resume: str,
+    *,
+    checksums: bool = True,
+    rank: int | None = 0,
+    damaged: tuple[Path, ...] = (),
 ) -> Path | None:
     """The checkpoint to resume from: `none` -> None; `auto` -> the newest complete, undamaged one under
     `<run_dir>/checkpoints` (None if there is none; damaged ones are reported by file and skipped, so the
     previous checkpoint is used; older ones than the first undamaged are not read); anything else -> that
     directory, which must be complete and undamaged. `checksums`: verify the manifest's CRC-32s too (reads
     every byte), not only its sizes. `rank`: the rank whose warnings these are (each prefixed `rank N: `),
-    None: none (another rank says what it found: each warning once)."""
+    None: none (another rank says what it found: each warning once). `damaged` (with `auto`): checkpoints
+    already found damaged and named (by the checksums after the start: run/verify.py), passed over without
+    reading them again; the incomplete ones were named on that first search too, and are not again."""
     say = log.warning if rank is not None else log.debug
     prefix = f"rank {rank}: " if rank is not None else ""
     if resume == "none":
         return None
     if resume != "auto":
-        path = Path(resume)
-        missing = missing_parts(path)
-        if missing:
-            raise ValueError(_not_a_checkpoint(resume, path, missing))
-        damage = damaged_parts(path, checksums=checksums)
-        if damage:
-            raise ValueError(f"trainer.resume={resume!r} is damaged: {'; '.join(damage)}")
-        _say_if_unverified(path, say, prefix)
-        return path
-
+        return _named_checkpoint(resume, checksums, say, prefix)
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return None
     complete = complete_checkpoints(root)
-    for p in sorted(root.iterdir()):
+    for p in sorted(root.iterdir()) if not damaged else ():
         if p.name.startswith("global_step_") and p not in complete.values():
             say(
                 "%signoring incomplete checkpoint %s (missing %s)",
@@ -179,6 +177,8 @@ def find_checkpoint(
             )
     newest = None  # verified newest first, until one is undamaged: one full read when the newest is
     for step in sorted(complete, reverse=True):
+        if complete[step] in damaged:
+            continue
         damage = damaged_parts(complete[step], checksums=checksums)
         if not damage:
             newest = complete[step]
@@ -200,6 +200,19 @@ def find_checkpoint(
             )
     _say_if_unverified(newest, say, prefix)
     return newest
+
+
+def _named_checkpoint(resume: str, checksums: bool, say, prefix: str) -> Path:
+    """`trainer.resume=PATH`: that directory, complete and undamaged (ValueError naming what is not)."""
+    path = Path(resume)
+    missing = missing_parts(path)
+    if missing:
+        raise ValueError(_not_a_checkpoint(resume, path, missing))
+    damage = damaged_parts(path, checksums=checksums)
+    if damage:
+        raise ValueError(f"trainer.resume={resume!r} is damaged: {'; '.join(damage)}")
+    _say_if_unverified(path, say, prefix)
+    return path
 
 
 def _say_if_unverified(path: Path, say, prefix: str) -> None:

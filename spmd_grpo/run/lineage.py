@@ -9,12 +9,12 @@ complete directory; `latest` disagreed, the log said so and went on), the metric
     directories with N after the resumed step: complete, damaged or half-pruned alike (a `.tmp` directory is
     an unfinished save, which a save of that step removes anyway, and stays).
   * `agree_on_start` (after the process group exists): rank 0's plan is what every rank does. Each rank
-    planned from the files it saw, rank 0 alone with the manifests' checksums (manifest.py); one that chose
-    otherwise (a corruption only the checksums show, or a shared file system serving a stale view) says
-    so in a warning and follows rank 0, so every rank loads the same checkpoint. The same collective
-    carries each rank's view of the run directory's lock file: a node that does not see the one rank 0
-    wrote has another directory (node-local), and the job stops there, one line and exit code 2
-    (run/lock.py: `unshared_run_dir`).
+    planned from the files it saw (sizes and headers); one that chose otherwise (a shared file system
+    serving a stale view, or files that changed while the ranks read them) says so in a warning and follows
+    rank 0, so every rank loads the same checkpoint (whose checksums the ranks then verify together:
+    run/verify.py). The same collective carries each rank's view of the run directory's lock file: a node
+    that does not see the one rank 0 wrote has another directory (node-local), and the job stops there, one
+    line and exit code 2 (run/lock.py: `unshared_run_dir`).
   * `abandon_branch` (rank 0, before anything is loaded or written): moves those directories, not deletes
     them, to `<run dir>/abandoned/after_step_<k>/` (`.1`, `.2`, ... when that exists) and points `latest`
     at the resumed checkpoint. The metrics rows of the abandoned steps (> k) are moved to
@@ -79,8 +79,8 @@ def agree_on_start(plan: Plan, world: World, timeout_s: int) -> Plan:
     if (plan.checkpoint, plan.abandoned) != (chosen.checkpoint, chosen.abandoned):
         log.warning(
             "rank %d read the run directory differently (resume %s, abandoned %s) from rank 0 (resume %s, "
-            "abandoned %s): following rank 0, which also verified the checksums (a corrupted file is found "
-            "there only), or %s is on a file system that shows the ranks different files",
+            "abandoned %s): following rank 0; %s is on a file system that shows the ranks different files, "
+            "or its files changed while the ranks read them",
             world.rank,
             plan.checkpoint,
             [p.name for p in plan.abandoned],

@@ -7,9 +7,11 @@ and the config) right after writing them, while they are still in the page cache
 and writes `manifest.json` before `trainer_state.json`, so a complete checkpoint always has one.
 
 `verify_manifest` names every listed file that is missing, has another size, or (with `checksums`) another
-CRC-32. Sizes cost a `stat` per file; checksums read every byte, `VERIFY_THREADS` files at a time.
-`run.start.plan_start` checks sizes on every rank and checksums on rank 0 only, whose choice every rank
-then follows (run/lineage.py `agree_on_start`): one full read of the checkpoint per job, not one per rank.
+CRC-32. Sizes cost a `stat` per file; checksums read every byte. At resume the two are split: before the
+process group exists every rank checks sizes only (`run.start.plan_start`), and once it exists the ranks
+checksum the chosen checkpoint together (`run.verify.verify_start`), each the share of the listed files that
+`shares` gives it (balanced by bytes), `checksum_problems` reading its files `threads` at a time. Every byte
+is read once per job, and the wait is the slowest rank's share, not the whole checkpoint.
 
 CRC-32 (`zlib.crc32`, read in 16 MiB chunks) detects every burst error up to 32 bits and random damage
 with probability 1 - 2**-32; it is not a defence against deliberate tampering (nor is anything here: a
@@ -29,8 +31,9 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 _CHUNK = 16 << 20
 VERIFY_THREADS = min(16, os.cpu_count() or 1)
-"""Files checksummed at once at resume (reads and `zlib.crc32` release the GIL): a checkpoint's shard files
-are read in parallel, up to what the storage and the node's cores give (one chunk of memory per thread)."""
+"""Files checksummed at once per node at resume (reads and `zlib.crc32` release the GIL): a checkpoint's shard
+files are read in parallel, up to what the storage and the node's cores give (one chunk of memory per
+thread); the ranks of a node share them (`run.verify`)."""
 
 
 def file_crc32(path: Path) -> int:
@@ -60,17 +63,25 @@ def write_manifest(root: Path, entries: dict[str, dict[str, int | str]]) -> None
         os.fsync(f.fileno())
 
 
-def verify_manifest(root: Path, *, checksums: bool) -> list[str] | None:
-    """What is wrong with the files `root/manifest.json` lists, each naming its file (empty: all match);
-    None when there is no manifest (a checkpoint saved before manifests existed)."""
+def listed_files(root: Path) -> list[tuple[str, int, str]] | str | None:
+    """`(relative path, size, crc32 hex)` of every file `root/manifest.json` lists; a string saying why it
+    is unreadable; None when there is no manifest (a checkpoint saved before manifests existed)."""
     path = root / MANIFEST
     if not path.is_file():
         return None
     try:
         files = json.loads(path.read_text())["files"]
-        items = [(name, int(e["size"]), str(e["crc32"])) for name, e in files.items()]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{path}: unreadable ({type(e).__name__})"]
+        return [(name, int(e["size"]), str(e["crc32"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{path}: unreadable ({type(e).__name__})"
+
+
+def verify_manifest(root: Path, *, checksums: bool) -> list[str] | None:
+    """What is wrong with the files `root/manifest.json` lists, each naming its file (empty: all match);
+    None when there is no manifest (a checkpoint saved before manifests existed)."""
+    items = listed_files(root)
+    if items is None or isinstance(items, str):
+        return items if items is None else [items]
     problems, to_read = [], []
     for name, size, crc in items:
         file = root / name
@@ -80,10 +91,38 @@ def verify_manifest(root: Path, *, checksums: bool) -> list[str] | None:
                 f"{file}: " + ("missing" if have < 0 else f"{have} bytes, the manifest says {size}")
             )
         elif checksums:
-            to_read.append((file, crc))
-    with ThreadPoolExecutor(max(1, min(VERIFY_THREADS, len(to_read)))) as pool:
-        got = pool.map(file_crc32, [file for file, _ in to_read])
-        for (file, crc), value in zip(to_read, got, strict=True):
-            if f"{value:08x}" != crc:
-                problems.append(f"{file}: CRC-32 {value:08x}, the manifest says {crc} (corrupted)")
+            to_read.append((name, size, crc))
+    return problems + checksum_problems(root, to_read, threads=VERIFY_THREADS)
+
+
+def checksum_problems(root: Path, items: list[tuple[str, int, str]], *, threads: int) -> list[str]:
+    """The files of `items` (as `listed_files` gives them) whose CRC-32 differs from the listed one, read
+    `threads` at a time; a file that cannot be read is named too."""
+
+    def crc_of(name: str) -> int | str:
+        try:
+            return file_crc32(root / name)
+        except OSError as e:
+            return f"{root / name}: unreadable ({e.strerror or type(e).__name__})"
+
+    problems = []
+    with ThreadPoolExecutor(max(1, min(threads, len(items)))) as pool:
+        for (name, _, crc), value in zip(items, pool.map(crc_of, [n for n, _, _ in items]), strict=True):
+            if isinstance(value, str):
+                problems.append(value)
+            elif f"{value:08x}" != crc:
+                problems.append(f"{root / name}: CRC-32 {value:08x}, the manifest says {crc} (corrupted)")
     return problems
+
+
+def shares(items: list[tuple[str, int, str]], num_ranks: int) -> list[list[tuple[str, int, str]]]:
+    """`items` split over `num_ranks` ranks balanced by bytes: largest file first, each to the rank with the
+    fewest bytes so far (the lowest rank on a tie), so every rank gets the same split from the same list.
+    Shard files differ in size (rank 0's holds more; an expert-parallel rank's experts), so an even count
+    would not be an even read. No rank reads more than an even share plus the largest file."""
+    loads, out = [0] * num_ranks, [[] for _ in range(num_ranks)]
+    for item in sorted(items, key=lambda it: (-it[1], it[0])):
+        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
+        out[rank].append(item)
+        loads[rank] += item[1]
+    return out

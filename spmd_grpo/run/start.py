@@ -4,7 +4,11 @@
 process group exists. It only reads files, and nothing is written until every rank has joined the process
 group (which needs every rank past this point), so all ranks decide from the same files. A problem is a
 `ConfigError`: one line, exit code 2, before any model or vLLM engine is built. `spmd_grpo.launch` runs it
-once more before it starts the ranks (`launcher=True`: sizes only, no warnings; rank 0 gives those).
+once more before it starts the ranks (`launcher=True`: no warnings; rank 0 gives those).
+
+Checkpoints are checked here by size and header only: a missing or truncated file is found before the
+process group. Their CRC-32s (every byte) are verified once it exists, by all ranks, a share each
+(run/verify.py); a corrupted checkpoint is handled alike (`auto`: planned again without it, `damaged`).
 
 The checkpoint to resume must be of the kind the config trains: a LoRA checkpoint holds adapters only, and
 neither full fine-tuning nor adapters of another rank can load them, nor adapters whole weights; such a
@@ -253,14 +257,18 @@ def run_records(run_dir: Path) -> list[str]:
     return found
 
 
-def plan_start(cfg: Config, *, rank: int | None = None, launcher: bool = False) -> StartPlan:
+def plan_start(
+    cfg: Config, *, rank: int | None = None, launcher: bool = False, damaged: tuple[Path, ...] = ()
+) -> StartPlan:
     """Decide new run / resume / restart for `cfg` and check the config against the saved one; raises
     ConfigError (ValueError for a `trainer.resume` path that is not a usable checkpoint), naming files.
+    Checkpoints are checked by size and header (their checksums: run/verify.py).
 
-    `rank` (default: torchrun's RANK, 0 without torchrun): rank 0 verifies the checkpoints' checksums and
-    warns about the damaged, incomplete or unverifiable ones it passes over; the other ranks check sizes and
-    say nothing (rank 0 says it once). `launcher`: `spmd_grpo.launch`'s check before the ranks exist (sizes
-    only, silent: rank 0 says it when it starts)."""
+    `rank` (default: torchrun's RANK, 0 without torchrun): rank 0 warns about the damaged, incomplete or
+    unverifiable checkpoints it passes over; the other ranks say nothing (rank 0 says it once). `launcher`:
+    `spmd_grpo.launch`'s check before the ranks exist (silent: rank 0 says it when it starts). `damaged`
+    (`trainer.resume=auto`): checkpoints the checksums found damaged after the start, already named: passed
+    over, so the plan is the previous checkpoint's (its config diff, its abandoned branch)."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     speaker = None if launcher else rank
@@ -276,7 +284,7 @@ def plan_start(cfg: Config, *, rank: int | None = None, launcher: bool = False) 
                 "trainer.experiment_name or trainer.output_dir (or remove the directory)"
             )
         return StartPlan(run_dir, None)
-    checkpoint = _checkpoint_to_resume(run_dir, mode, records, speaker)
+    checkpoint = _checkpoint_to_resume(run_dir, mode, records, speaker, damaged)
     if checkpoint is not None:
         _check_adapters(checkpoint, cfg)
     abandoned = later_checkpoints(run_dir, checkpoint) if checkpoint is not None else ()
@@ -299,14 +307,16 @@ def _check_allow_list(allowed: tuple[str, ...], known: dict[str, Any]) -> None:
             raise ConfigError(f"trainer.allow_config_change: unknown config key {key}")
 
 
-def _checkpoint_to_resume(run_dir: Path, mode: str, records: list[str], rank: int | None) -> Path | None:
-    """The checkpoint `mode` names. Rank 0 verifies the manifests' checksums (every byte read once per job)
-    and names what it passes over; the other ranks (and the launcher, `rank` None) check sizes, and follow
-    rank 0's choice (lineage.agree_on_start)."""
+def _checkpoint_to_resume(
+    run_dir: Path, mode: str, records: list[str], rank: int | None, damaged: tuple[Path, ...]
+) -> Path | None:
+    """The checkpoint `mode` names, by sizes and headers (every rank alike; the checksums are verified
+    after the start, by all ranks: run/verify.py). Rank 0 names what it passes over; the other ranks (and
+    the launcher, `rank` None) follow rank 0's choice (lineage.agree_on_start)."""
     root = run_dir / CHECKPOINTS
-    checksums, speaker = rank == 0, 0 if rank == 0 else None
+    speaker = 0 if rank == 0 else None
     if mode == "auto":
-        checkpoint = find_checkpoint(run_dir, "auto", checksums=checksums, rank=speaker)
+        checkpoint = find_checkpoint(run_dir, "auto", checksums=False, rank=speaker, damaged=damaged)
         complete = complete_checkpoints(root)
         if checkpoint is None and complete:
             named = "each named in the warnings above"
@@ -319,7 +329,7 @@ def _checkpoint_to_resume(run_dir: Path, mode: str, records: list[str], rank: in
                 "it, move them aside to restart the run, or pick another trainer.experiment_name for a new run"
             )
         return checkpoint
-    checkpoint = find_checkpoint(run_dir, mode, checksums=checksums, rank=speaker)  # ValueError: the damage
+    checkpoint = find_checkpoint(run_dir, mode, checksums=False, rank=speaker)  # ValueError: the damage
     ours = checkpoint.resolve().parent == root.resolve()
     if records and not ours:
         raise ConfigError(

@@ -1,17 +1,22 @@
 """Checkpoint / resume under real torchrun (gloo, CPU, FSDP2 policy, AdamW): exact resume at the same world
-size, resharded resume at another one, and an expert-parallel MoE checkpoint resumed without expert
-parallelism. The job is tests/jobs/checkpoint_roundtrip.py."""
+size, resharded resume at another one, an expert-parallel MoE checkpoint resumed without expert
+parallelism, and a corrupted shard found by the checksums the ranks verify together after the start (the
+previous checkpoint taken on every rank). The job is tests/jobs/checkpoint_roundtrip.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from spmd_grpo.config.loader import dump_yaml, load_config
 from spmd_grpo.run.checkpoint_dirs import damaged_parts
+from spmd_grpo.run.manifest import file_entries, listed_files, shares, write_manifest
 from tests.conftest import CHECKPOINT_JOB, tiny_model, torchrun
+from tests.jobs.checkpoint_roundtrip import verify_overrides
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +34,49 @@ def resume(saved, tiny_untied, nproc: int, lora_rank: int = 0) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def corrupted_run(saved, tiny_untied) -> tuple[Path, Path]:
+    """A run directory holding the saved step-2 checkpoint twice, as global_step_2 and global_step_4 (each
+    with the config of the job's `--verify` start, so that nothing changed), with one byte flipped in the
+    newest one's shard that rank 1 of 2 checksums (rank 0 never reads it). Returns (run dir, that shard)."""
+    work, _ = saved
+    run = work / "corrupted" / "run"
+    cfg = load_config(None, verify_overrides(tiny_untied, run))
+    for step in (2, 4):
+        ckpt = shutil.copytree(
+            work / "run" / "checkpoints" / "global_step_2", run / "checkpoints" / f"global_step_{step}"
+        )
+        dump_yaml(cfg, ckpt / "config.yaml")
+        entries = json.loads((ckpt / "manifest.json").read_text())["files"]
+        write_manifest(ckpt, {**entries, **file_entries(ckpt, ["config.yaml"])})
+    (run / "checkpoints" / "latest").write_text("global_step_4")
+    newest = run / "checkpoints" / "global_step_4"
+    rank0, rank1 = shares(listed_files(newest), 2)
+    name = next(name for name, _, _ in rank1 if name.endswith(".distcp"))
+    assert name not in {n for n, _, _ in rank0}
+    data = bytearray((newest / name).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (newest / name).write_bytes(bytes(data))
+    return run, newest / name
+
+
 @pytest.fixture(scope="module")
 def resumed(saved, tiny_untied, saved_checkpoints) -> dict:
     """{(case, nproc): what the resume recorded}, one launch per world size for both cases: "dense" (the
-    Qwen2.5-VL checkpoint) and "moe" (Qwen3-VL-MoE saved at expert_parallel_size=2, resumed at 1)."""
+    Qwen2.5-VL checkpoint) and "moe" (Qwen3-VL-MoE saved at expert_parallel_size=2, resumed at 1); and
+    ("verify", nproc): the start on `corrupted_run` (the job's `--verify`), with the corrupted shard."""
     moe = tiny_model(family="qwen3_vl_moe")
     cases = {"dense": (tiny_untied, saved[0]), "moe": (moe, saved_checkpoints(moe))}
-    out = {}
+    run, shard = corrupted_run(saved, tiny_untied)
+    out = {"corrupted": (run, shard)}
     for nproc in (2, 1):
         job = [CHECKPOINT_JOB, "--phase", "resume"]
+        job += ["--verify", str(tiny_untied), str(run), str(run.parent / f"verify{nproc}.pt")]
         for model_dir, work in cases.values():
             job += ["--case", str(model_dir), str(work / "run"), str(work / f"resume{nproc}.pt"), "0", "1"]
         torchrun(job, nproc=nproc)
         for case, (_, work) in cases.items():
             out[case, nproc] = torch.load(work / f"resume{nproc}.pt", weights_only=False)
+        out["verify", nproc] = torch.load(run.parent / f"verify{nproc}.pt", weights_only=False)
     return out
 
 
@@ -138,3 +172,25 @@ def test_expert_parallel_checkpoint_resumes_without_expert_parallelism(saved_che
     assert_same_training_state(ref["at_save"], got["at_save"])
     for name, t in ref["params_after"].items():
         torch.testing.assert_close(got["params_after"][name], t, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_a_corrupted_shard_is_found_by_the_rank_that_reads_it_and_every_rank_falls_back(resumed, nproc):
+    """The flipped byte keeps the shard's size, so every rank's plan before the process group takes the
+    newest checkpoint; after it the ranks checksum their shares (at 2 ranks the shard is rank 1's alone),
+    rank 0 names it once, and every rank takes the previous checkpoint, the damaged one its abandoned branch."""
+    run, shard = resumed["corrupted"]
+    got = resumed["verify", nproc]
+    assert got["world_size"] == nproc and len(got["views"]) == nproc
+    ckpts = run / "checkpoints"
+    for rank, (planned, chosen, abandoned, changes, said) in enumerate(got["views"]):
+        assert planned == ckpts / "global_step_4", rank  # sizes and headers only
+        assert chosen == ckpts / "global_step_2" and abandoned == (ckpts / "global_step_4",), rank
+        assert changes == [], rank
+        skipped = [line for line in said if "skipping damaged" in line]
+        if rank == 0:
+            assert len(skipped) == 1, said
+            assert skipped[0].startswith(f"rank 0: skipping damaged checkpoint {ckpts / 'global_step_4'}: ")
+            assert f"{shard}: CRC-32 " in skipped[0] and skipped[0].endswith("(corrupted)"), skipped
+        else:
+            assert skipped == [], said  # rank 0 says it, once

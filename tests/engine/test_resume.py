@@ -12,12 +12,15 @@
    max_steps is reported. Then a resume of the step before by path sets the newer step's checkpoint aside as
    an abandoned branch (run/lineage.py) and redoes that step, logged once.
 5. Then a new run (`trainer.resume=none`) into that directory, and a resume with another group size, are
-   each refused in one line before anything loads, leaving the directory as it was.
+   each refused in one line before anything loads, leaving the directory as it was. A copy of its
+   checkpoint with a flipped byte, resumed by path with plain python (a world of one), passes the size
+   checks before the process group and is refused by the checksums after it: one line naming the file.
 
 The preemption in a stalled save is tests/engine/test_preemption.py. The measured times are printed (`pytest -s`).
 """
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -168,6 +171,17 @@ def test_kill_during_save_then_resume_exactly_and_on_fewer_ranks(tiny_untied, tm
     assert "worker.rollout.n 4 -> 8" in line and "trainer.allow_config_change=[worker.rollout.n]" in line
     assert "max_steps" not in line  # a free change: reported at start-up, never refused
     assert _files(run) == before
+    corrupt = shutil.copytree(
+        run / "checkpoints" / f"global_step_{last}", tmp_path / "copy" / "global_step_1"
+    )
+    shard = next(corrupt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # the same size: only the checksums see it
+    shard.write_bytes(bytes(data))
+    lines = _refused(_args(tiny_untied, tmp_path, "from_copy", nxt, f"trainer.resume={corrupt}"))
+    [said] = [line for line in lines if "is damaged" in line]  # once
+    head = re.escape(f"config error: trainer.resume='{corrupt}' is damaged: {shard}: CRC-32 ")
+    assert re.fullmatch(head + r"[0-9a-f]{8}, the manifest says [0-9a-f]{8} \(corrupted\)", said), lines
 
 
 def _files(run):

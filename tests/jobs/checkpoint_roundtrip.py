@@ -1,7 +1,8 @@
 """torchrun job: train, checkpoint, resume in a fresh process (any world size), continue identically.
 
     torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase save --case MODEL_DIR RUN_DIR OUT.pt R EP ...
-    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase resume --case MODEL_DIR RUN_DIR OUT.pt R EP
+    torchrun --nproc_per_node W tests/jobs/checkpoint_roundtrip.py --phase resume --case MODEL_DIR RUN_DIR OUT.pt R EP \
+        [--verify MODEL_DIR RUN_DIR OUT.pt]
 
 Each `--case` is one model with its own run directory, result file, LoRA rank (0: full fine-tuning) and
 `worker.actor.fsdp.expert_parallel_size` (an MoE model: saved at one EP size, resumed at another); the
@@ -16,6 +17,11 @@ and takes the same step 3. Rank 0 writes OUT.pt with, at the checkpoint (`at_sav
 batch of the restored sampler and an RNG probe drawn right after the save / load. With a LoRA rank R > 0 the
 policy trains LoRA adapters of rank R (the checkpoint then holds adapters only, and the config section that
 export reads).
+
+`--verify` (resume phase, before the cases): the start of `spmd_grpo.train` on RUN_DIR, whose newest checkpoint
+has a corrupted file of the same size: every rank plans by sizes (`plan_start`), follows rank 0
+(`agree_on_start`), and the ranks verify the checksums together (`verify_start`, each a share of the files).
+Rank 0 writes OUT.pt with each rank's plan before and after the checksums and the warnings it logged.
 """
 
 from __future__ import annotations
@@ -111,10 +117,44 @@ def main() -> None:
         required=True,
         metavar=("MODEL_DIR", "RUN_DIR", "OUT", "LORA_RANK", "EP"),
     )
+    ap.add_argument("--verify", nargs=3, metavar=("MODEL_DIR", "RUN_DIR", "OUT"))
     args = ap.parse_args()
     world = init_distributed("cpu")
+    if args.verify:
+        verify_case(world, *args.verify)
     for model_dir, run_dir, out, lora_rank, ep in args.case:
         run_case(world, model_dir, Path(run_dir), out, args.phase, int(lora_rank), int(ep))
+
+
+def verify_overrides(model_dir: str | Path, run_dir: Path) -> list[str]:
+    """The config of `--verify`'s start (the test writes it into the checkpoints: no change to report)."""
+    return [
+        f"worker.actor.model.model_path={model_dir}",
+        f"trainer.output_dir={run_dir.parent}",
+        f"trainer.experiment_name={run_dir.name}",
+    ]
+
+
+def verify_case(world, model_dir: str, run_dir: str, out_path: str) -> None:
+    import logging
+
+    from spmd_grpo.config.loader import load_config
+    from spmd_grpo.run.lineage import agree_on_start
+    from spmd_grpo.run.start import plan_start
+    from spmd_grpo.run.verify import verify_start
+
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("spmd_grpo").addHandler(handler)
+    cfg = load_config(None, verify_overrides(model_dir, Path(run_dir)))
+    planned = plan_start(cfg, rank=world.rank)  # before the process group in spmd_grpo.train
+    chosen = verify_start(agree_on_start(planned, world, 60), cfg, world)
+    logging.getLogger("spmd_grpo").removeHandler(handler)
+    changes = [str(c) for c in chosen.changes]
+    views = all_gather_objects((planned.checkpoint, chosen.checkpoint, chosen.abandoned, changes, said))
+    if world.rank == 0:
+        torch.save({"views": views, "world_size": world.world_size}, out_path)
 
 
 def run_case(

@@ -6,6 +6,7 @@ checkpoints are all damaged is not silently restarted; the CLI turns each refusa
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.loader import dump_yaml, last_wins, load_config
 from spmd_grpo.run.lineage import abandon_branch, agree_on_start
+from spmd_grpo.run.manifest import file_entries, shares, write_manifest
 from spmd_grpo.run.start import (
     MEANING_CHANGING,
     ConfigChange,
@@ -23,6 +25,7 @@ from spmd_grpo.run.start import (
     plain_config,
     plan_start,
 )
+from spmd_grpo.run.verify import verified_plan
 from spmd_grpo.telemetry.loggers import JsonlLogger
 from spmd_grpo.train import main
 from tests.conftest import ONE_CPU_RANK, checkpoint_stand_in, fake_checkpoint
@@ -328,3 +331,63 @@ def test_auto_and_another_runs_checkpoint_abandon_nothing(tmp_path):
     other = fake_checkpoint(tmp_path / "other", 1)
     plan = plan_start(_cfg(tmp_path, "trainer.experiment_name=fork", f"trainer.resume={other}"))
     assert plan.checkpoint == other and plan.abandoned == ()
+
+
+# ---------------------------------------------------------------------------------- checksums after start
+def _with_manifest(ckpt: Path) -> Path:
+    """`ckpt` (fake_checkpoint) with the manifest a save writes: every file but trainer_state.json."""
+    names = [p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()]
+    write_manifest(ckpt, file_entries(ckpt, [n for n in names if n != "trainer_state.json"]))
+    return ckpt
+
+
+def _flip_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_shares_balance_bytes_largest_first_and_split_alike_everywhere():
+    items = [("a", 10, ""), ("b", 70, ""), ("c", 30, ""), ("d", 30, ""), ("e", 20, ""), ("f", 40, "")]
+    got = [[name for name, _, _ in share] for share in shares(items, 3)]
+    # b(70) -> 0; f(40) -> 1; c(30) -> 2; d(30) -> 2 (30 < 40); e(20) -> 1 (40 < 60); a(10) -> 1 (ranks 1 and
+    # 2 both hold 60: the tie goes to the lower rank).
+    assert got == [["b"], ["f", "e", "a"], ["c", "d"]]
+    assert [sum(s for _, s, _ in share) for share in shares(items, 3)] == [70, 70, 60]
+    assert shares(items, 1) == [sorted(items, key=lambda it: (-it[1], it[0]))]
+    assert shares(items[:1], 4) == [[items[0]], [], [], []]  # more ranks than files: some read nothing
+
+
+def test_a_corrupted_file_is_found_after_the_start_and_auto_plans_the_previous_checkpoint(tmp_path, caplog):
+    """The size checks before the process group pass a flipped byte (same size); the checksums after it find
+    it: `auto` names the checkpoint once and takes the previous one, with that one's config diff and the
+    damaged one as its abandoned branch; by path it is an error naming the file; all damaged: an error."""
+    run = tmp_path / "run"
+    older = _with_manifest(fake_checkpoint(run, 2, cfg=_cfg(tmp_path, "worker.actor.optim.lr=2e-6")))
+    newest = _with_manifest(fake_checkpoint(run, 3, cfg=_cfg(tmp_path)))
+    (run / "checkpoints" / "latest").write_text("global_step_3")
+    assert verified_plan(plan_start(_cfg(tmp_path)), _cfg(tmp_path), ONE_CPU_RANK).checkpoint == newest
+    shard = next(newest.glob("*.distcp"))
+    _flip_byte(shard)
+
+    plan = plan_start(_cfg(tmp_path))  # sizes and headers only: the flipped byte passes
+    assert plan.checkpoint == newest and plan.changes == () and plan.abandoned == ()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spmd_grpo"):
+        chosen = verified_plan(plan, _cfg(tmp_path), ONE_CPU_RANK)
+    assert chosen.checkpoint == older and chosen.saved_config == older / "config.yaml"
+    assert [str(c) for c in chosen.changes] == ["worker.actor.optim.lr 2e-06 -> 1e-06"]
+    assert chosen.abandoned == (newest,)  # moved aside before training, as for any resume of an earlier one
+    skipped = [r.getMessage() for r in caplog.records if "skipping damaged" in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].startswith(
+        f"rank 0: skipping damaged checkpoint {newest}: {shard}: CRC-32 "
+    ), skipped
+    assert skipped[0].endswith("(corrupted)")
+
+    by_path = _cfg(tmp_path, f"trainer.resume={newest}")
+    with pytest.raises(ValueError, match=re.escape(f"trainer.resume='{newest}' is damaged: {shard}: CRC-32")):
+        verified_plan(plan_start(by_path), by_path, ONE_CPU_RANK)
+
+    _flip_byte(older / "scheduler.pt")
+    with pytest.raises(ConfigError, match=f"every checkpoint in {run / 'checkpoints'} is damaged"):
+        verified_plan(plan_start(_cfg(tmp_path)), _cfg(tmp_path), ONE_CPU_RANK)
