@@ -14,8 +14,9 @@ process (same options, same agent, same forwarding of signals to the ranks) and 
 
 Before torchrun starts any rank, a `-m spmd_grpo.train` job's config is checked here, once (the same checks
 every rank runs: `spmd_grpo.train.prepare`, without locking the run directory; checkpoints by size, as
-there, their checksums being verified by the ranks once the process group exists): a mistake prints its one line once and exits 2 within seconds, instead
-of once per rank after every rank has imported torch, with torchrun's `ChildFailedError` report after it.
+there, their checksums being verified by the ranks once the process group exists): a mistake prints its one
+line once and exits 2 within seconds, instead of once per rank after every rank has imported torch, with
+torchrun's `ChildFailedError` report after it.
 The world size is `--nnodes` x `--nproc_per_node`; with an elastic node range (`--nnodes MIN:MAX`) it is not
 known yet and the check is left to the ranks. A rank can still stop at a config error the launcher did not
 see (a file only that node lacks, a job that took the run directory in between): exit code 2 as well.
