@@ -8,10 +8,10 @@ by `RolloutEngine.from_config`, as the trainer builds it, and the settings vLLM 
 config's (the TP-2 tied case also turns `worker.actor.model.trust_remote_code` on), its processor sizes
 those `data.prompts.processor_sizes` gives the data loader and the trainer's processor calls.
 
-The cases share launches (`LAUNCHES`): each case builds its own policy and engine, and the start-up of torch,
-transformers and vLLM is paid once per launch. A launch holds at most one TP-2 engine: vLLM CPU names a TP
-group's shared-memory segments after the group alone and unlinks them only at interpreter exit
-(tests/jobs/common.py), so a second TP-2 engine in the process could meet the first one's.
+The cases share one launch: each case builds its own policy and engine, and the start-up of torch,
+transformers and vLLM is paid once. vLLM CPU names a TP group's shared-memory segments after the group's
+name, which counts up within a process (`tp:0`, `tp:1`, ...), so the two TP-2 engines of the launch use
+segments of their own (segments an earlier process left behind are another matter: tests/jobs/common.py).
 """
 
 import json
@@ -59,9 +59,6 @@ EP_FAMILIES = {"qwen3_vl_moe"}
 """Families trained with worker.actor.fsdp.expert_parallel_size=2 here (the case's cost is unchanged)."""
 VIDEO_CASES = {("qwen2_5_vl", 1, False), ("qwen2_vl", 1, False), ("qwen3_vl", 1, False)}
 """Cases whose prompts include videos and image + video prompts (one per family, no extra vLLM start)."""
-TP2 = [c for c in CASES if c[1] == 2]
-LAUNCHES = [[c for c in CASES if c[1] == 1] + TP2[:1], *([c] for c in TP2[1:])]
-"""The cases of each launch, run in turn: every TP-1 case and one TP-2 case, then the other TP-2 case."""
 
 
 def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
@@ -78,19 +75,18 @@ def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
-    """`parity_runs(case)` -> (out.json path, the console output of that case): the first request of a case
-    runs every case of its launch (`LAUNCHES`)."""
+    """`parity_runs(case)` -> (out.json path, the console output of that case): the first request runs every
+    case of `CASES` in one launch."""
     done: dict[tuple, tuple[Path, str]] = {}
 
     def get(case: tuple) -> tuple[Path, str]:
-        if case not in done:
-            [batch] = [cases for cases in LAUNCHES if case in cases]
-            outs = [tmp_path_factory.mktemp("parity") / "out.json" for _ in batch]
+        if not done:
+            outs = [tmp_path_factory.mktemp("parity") / "out.json" for _ in CASES]
             job = ["tests/jobs/engine_parity.py"]
-            for c, out in zip(batch, outs, strict=True):
+            for c, out in zip(CASES, outs, strict=True):
                 job += ["--case", *_case_args(*c, out)]
             proc = torchrun(job, timeout=1800)
-            for i, (c, out) in enumerate(zip(batch, outs, strict=True)):
+            for i, (c, out) in enumerate(zip(CASES, outs, strict=True)):
                 done[c] = (out, own_output(proc.stdout, CASE_MARK, i) + own_output(proc.stderr, CASE_MARK, i))
         return done[case]
 

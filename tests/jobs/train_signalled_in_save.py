@@ -6,11 +6,14 @@ save then taking far longer than the grace period.
 Right after its DCP shards of step STEP are on disk, before the checkpoint is complete, each rank signals
 itself (as Slurm signals every process of a preempted job), writes the time to STAMP.rank<r>, and then
 blocks: only `trainer.preempt_grace_s` can end it. The signal and the stall are injected here, around
-`torch.distributed.checkpoint.save`, not by a switch in the trainer.
+`torch.distributed.checkpoint.save`, not by a switch in the trainer. The collector's heap is frozen before
+the run, as tests/jobs/train_in_turn.py does (vLLM's full collections while it builds its engine then skip
+the imports): start-up time, not what the run does.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -38,4 +41,6 @@ def signal_during_save(step: int, stamp: str) -> None:
 
 if __name__ == "__main__":
     signal_during_save(int(sys.argv[1]), sys.argv[2])
+    gc.collect()
+    gc.freeze()
     main(sys.argv[3:])
