@@ -124,8 +124,7 @@ class Trainer:
         self.reference = None  # with LoRA the reference is the policy with its adapters disabled
         if cfg.algorithm.use_kl_loss and not actor.model.lora.enabled:
             self.reference = build_reference(actor, cfg.worker.ref, world)
-        tp, timeout_s = cfg.worker.rollout.tensor_parallel_size, cfg.trainer.collective_timeout_s
-        self.tp_group = collectives.new_tp_groups(world, tp, timeout_s=timeout_s)
+        self.tp_group = collectives.new_tp_groups(world, cfg.worker.rollout.tensor_parallel_size)
         tied = bool(self.policy.config.tie_word_embeddings)
         self.engine = RolloutEngine.from_config(cfg, world, tie_word_embeddings=tied, sizes=self.sizes)
         self.reward_fn = load_reward_function(

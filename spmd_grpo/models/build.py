@@ -139,7 +139,7 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
                 f"{model.config.model_type} has no experts to shard; set 1"
             )
         ep = fsdp.expert_parallel_size
-        mesh = expert_mesh(world.device_type, world.world_size, ep)
+        mesh = expert_mesh(world, ep)
         shard_experts(blocks, mesh, world.world_size, **kwargs)
         if world.is_main and model.training:  # once: the policy's build, not the reference's
             log.info(

@@ -74,6 +74,9 @@ class World:
     local_rank: int
     device_type: str
     backend: str
+    timeout_s: int = 1800
+    """The default group's collective timeout (`trainer.collective_timeout_s`), which every subgroup is given
+    too: torch gives a subgroup created without one its backend's default instead (30 min here, 10 for nccl)."""
 
     @property
     def device(self) -> torch.device:
@@ -117,7 +120,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> World:
             # Eager NCCL init on cuda; hccl is created lazily, as verl does on NPU.
             device_id=torch.device(device_type, local_rank) if device_type == "cuda" else None,
         )
-    return World(rank, world_size, local_rank, device_type, backend)
+    return World(rank, world_size, local_rank, device_type, backend, timeout_s)
 
 
 def free_port() -> int:
@@ -180,16 +183,14 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(all_reduce_max(torch.tensor([int(flag)], device=device)).item())
 
 
-def new_tp_groups(world: World, tp: int, *, timeout_s: int) -> dist.ProcessGroup | None:
-    """Create every TP subgroup (all ranks must call in the same order) and return this rank's one.
-
-    `timeout_s`: the default group's (`trainer.collective_timeout_s`). torch does not pass a group's timeout on
-    to its subgroups: without it they get torch's default for their backend (30 min here, 10 min for nccl)."""
+def new_tp_groups(world: World, tp: int) -> dist.ProcessGroup | None:
+    """Create every TP subgroup (all ranks must call in the same order) and return this rank's one, with the
+    default group's timeout (`World.timeout_s`)."""
     if tp == 1 or world.world_size == 1:
         return None
     mine = None
     for ranks in world.tp_group_ranks(tp):
-        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=world.timeout_s))
         if world.rank in ranks:
             mine = group
     return mine

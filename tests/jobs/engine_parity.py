@@ -126,7 +126,7 @@ def parse_cases(argv: list[str]) -> list[argparse.Namespace]:
     return cases
 
 
-TIMEOUT_S = 1800  # the default group's and the TP groups' (trainer.collective_timeout_s's default)
+TIMEOUT_S = 1800  # the default group's, which the TP groups take (trainer.collective_timeout_s's default)
 
 
 def process_group(case_index: int, device: str):
@@ -174,7 +174,7 @@ def run_case(args: argparse.Namespace, world) -> None:
     from transformers import AutoProcessor
 
     torch.manual_seed(0)
-    tp_group = new_tp_groups(world, args.tp, timeout_s=TIMEOUT_S)
+    tp_group = new_tp_groups(world, args.tp)
     processor = AutoProcessor.from_pretrained(args.model_dir)
     # The engine is built from a run config as the trainer builds it (`RolloutEngine.from_config`); 1 MiB
     # buckets so the tiny model's push spans several buckets.

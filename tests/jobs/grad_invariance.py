@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 
 import torch
 from PIL import Image
@@ -41,6 +42,7 @@ from spmd_grpo.parallel.collectives import all_gather_objects, init_distributed
 from tests.jobs.common import encode, run_job
 
 NUM_SAMPLES = 8
+TIMEOUT_S = 600  # the collective timeout: not torch's 30 min default, so a subgroup without it shows
 
 
 def make_samples(
@@ -141,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoProcessor
 
-    world = init_distributed(args.device)
+    world = init_distributed(args.device, timeout_s=TIMEOUT_S)
     processor = AutoProcessor.from_pretrained(args.model_dir)
     actor = ActorConfig(model=ModelConfig(model_path=args.model_dir), fsdp=FSDPConfig(param_dtype="float32"))
     policy = build_policy(actor, world)
@@ -207,6 +209,13 @@ def expert_parallel_grads(
         policy = build_policy(dataclasses.replace(actor, model=model, fsdp=fsdp), world)
         experts = [p for n, p in policy.named_parameters() if n.endswith("experts.gate_up_proj")]
         assert experts and all(p.device_mesh.ndim == (2 if size > 1 else 1) for p in experts)
+        if size > 1:  # the expert mesh's groups take the collective timeout, not torch's default (30 min)
+            mesh = experts[0].device_mesh
+            timeouts = {
+                mesh[d].get_group()._get_backend(torch.device("cpu")).options._timeout
+                for d in mesh.mesh_dim_names
+            }
+            assert timeouts == {datetime.timedelta(seconds=world.timeout_s)}, timeouts
         for micro in micros if not lora_rank else micros[:1]:
             case = dataclasses.replace(spec, micro_batch_size=micro, experience_micro_batch_size=micro)
             key = ("ep-lora", size) if lora_rank else ("ep", micro)

@@ -51,6 +51,7 @@ LoRA adds adapters to linear layers only, so the experts stay frozen base weight
 
 from __future__ import annotations
 
+import datetime
 import types
 
 import torch
@@ -61,6 +62,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tens
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from spmd_grpo.models.moe.experts import combine, expert_mlp, is_stacked_experts, sort_by_expert
+from spmd_grpo.parallel.collectives import World
 
 
 class ExpertParallel(ParallelStyle):
@@ -121,13 +123,23 @@ def expert_parallel_forward(
     return combine(back, sorted_tokens).to(hidden.dtype)
 
 
-def expert_mesh(device_type: str, world_size: int, ep: int) -> DeviceMesh:
+def expert_mesh(world: World, ep: int) -> DeviceMesh:
     """The [world / ep, ep] mesh ("efsdp", "ep") over every rank: EP groups are runs of consecutive ranks
     (rank r is EP rank r % ep), FSDP of the experts runs across them (torchtitan's `dp_shard_mod_ep` x
-    `dp_shard_in_ep`)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    `dp_shard_in_ep`). Its groups are made here rather than by `init_device_mesh`, which gives them torch's
+    default timeout for their backend: these take the collective timeout (`World.timeout_s`), as every other
+    group. Every rank creates every group, in the same order (rows, then columns)."""
+    ranks = torch.arange(world.world_size).reshape(world.world_size // ep, ep)
+    timeout = datetime.timedelta(seconds=world.timeout_s)
+    mine = {}
+    for dim, lines in (("ep", ranks.tolist()), ("efsdp", ranks.T.tolist())):
+        for line in lines:
+            group = dist.new_group(line, timeout=timeout)
+            if world.rank in line:
+                mine[dim] = group
+    return DeviceMesh.from_group(
+        [mine["efsdp"], mine["ep"]], world.device_type, mesh=ranks, mesh_dim_names=("efsdp", "ep")
+    )
 
 
 def shard_experts(blocks: list[nn.Module], mesh: DeviceMesh, world_size: int, **fsdp_kwargs) -> None:
