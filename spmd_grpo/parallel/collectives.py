@@ -183,17 +183,19 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(all_reduce_max(torch.tensor([int(flag)], device=device)).item())
 
 
+def new_groups(world: World, partition: list[list[int]]) -> dist.ProcessGroup:
+    """Create a subgroup for each rank list of `partition` (every rank calls this with the same lists, in the
+    same order) with the default group's timeout (`World.timeout_s`), and return this rank's one."""
+    timeout = datetime.timedelta(seconds=world.timeout_s)
+    groups = [dist.new_group(ranks, timeout=timeout) for ranks in partition]
+    return next(group for ranks, group in zip(partition, groups, strict=True) if world.rank in ranks)
+
+
 def new_tp_groups(world: World, tp: int) -> dist.ProcessGroup | None:
-    """Create every TP subgroup (all ranks must call in the same order) and return this rank's one, with the
-    default group's timeout (`World.timeout_s`)."""
+    """Every TP subgroup (`new_groups`) and this rank's one; None without tensor parallelism."""
     if tp == 1 or world.world_size == 1:
         return None
-    mine = None
-    for ranks in world.tp_group_ranks(tp):
-        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=world.timeout_s))
-        if world.rank in ranks:
-            mine = group
-    return mine
+    return new_groups(world, world.tp_group_ranks(tp))
 
 
 def destroy() -> None:

@@ -51,7 +51,6 @@ LoRA adds adapters to linear layers only, so the experts stay frozen base weight
 
 from __future__ import annotations
 
-import datetime
 import types
 
 import torch
@@ -62,7 +61,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tens
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from spmd_grpo.models.moe.experts import combine, expert_mlp, is_stacked_experts, sort_by_expert
-from spmd_grpo.parallel.collectives import World
+from spmd_grpo.parallel.collectives import World, new_groups
 
 
 class ExpertParallel(ParallelStyle):
@@ -130,15 +129,10 @@ def expert_mesh(world: World, ep: int) -> DeviceMesh:
     default timeout for their backend: these take the collective timeout (`World.timeout_s`), as every other
     group. Every rank creates every group, in the same order (rows, then columns)."""
     ranks = torch.arange(world.world_size).reshape(world.world_size // ep, ep)
-    timeout = datetime.timedelta(seconds=world.timeout_s)
-    mine = {}
-    for dim, lines in (("ep", ranks.tolist()), ("efsdp", ranks.T.tolist())):
-        for line in lines:
-            group = dist.new_group(line, timeout=timeout)
-            if world.rank in line:
-                mine[dim] = group
+    ep_group = new_groups(world, ranks.tolist())
+    efsdp_group = new_groups(world, ranks.T.tolist())
     return DeviceMesh.from_group(
-        [mine["efsdp"], mine["ep"]], world.device_type, mesh=ranks, mesh_dim_names=("efsdp", "ep")
+        [efsdp_group, ep_group], world.device_type, mesh=ranks, mesh_dim_names=("efsdp", "ep")
     )
 
 
