@@ -399,7 +399,7 @@ def _run(cfg: Config, plan: StartPlan | None, stop: StopOnSignal) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     world = collectives.init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     setup_logging(cfg.run_dir, world)
-    plan = agree_on_start(plan, world, cfg.trainer.collective_timeout_s)  # rank 0 decides for every rank
+    plan = agree_on_start(plan, world)  # rank 0 decides what every rank resumes
     plan = verify_start(plan, cfg, world)  # the checksums, a share per rank; a damaged one: the previous
     if world.is_main:
         from spmd_grpo.versions import check_versions, version_line

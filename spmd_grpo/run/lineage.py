@@ -60,15 +60,15 @@ as another directory: NFS clients cache a directory's lookups for up to `acdirma
 file another node created a moment ago may be missing there for that long."""
 
 
-def agree_on_start(plan: Plan, world: World, timeout_s: int) -> Plan:
+def agree_on_start(plan: Plan, world: World) -> Plan:
     """Rank 0's plan, on every rank (collective). A rank whose own plan differs warns, naming both; a run
     directory some node sees elsewhere ends the job (exit code 2), said once, after the ranks that did not see
-    rank 0's lock file read it again for up to `LOCK_VIEW_WAIT_S` (at most half `timeout_s`, the collective
-    timeout the other ranks wait under)."""
+    rank 0's lock file read it again for up to `LOCK_VIEW_WAIT_S` (at most half `world.timeout_s`, the
+    collective timeout the other ranks wait under)."""
     host = socket.gethostname()
     views = all_gather_objects((plan, host, lock_text(plan.run_dir)))
     if unshared_run_dir(plan.run_dir, [(h, text) for _, h, text in views]):  # every rank takes this branch
-        expected, deadline = views[0][2], time.monotonic() + min(LOCK_VIEW_WAIT_S, timeout_s / 2)
+        expected, deadline = views[0][2], time.monotonic() + min(LOCK_VIEW_WAIT_S, world.timeout_s / 2)
         while (text := lock_text(plan.run_dir)) != expected and time.monotonic() < deadline:
             time.sleep(1)
         views = all_gather_objects((plan, host, text))

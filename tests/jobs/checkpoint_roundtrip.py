@@ -149,7 +149,7 @@ def verify_case(world, model_dir: str, run_dir: str, out_path: str) -> None:
     logging.getLogger("spmd_grpo").addHandler(handler)
     cfg = load_config(None, verify_overrides(model_dir, Path(run_dir)))
     planned = plan_start(cfg, rank=world.rank)  # before the process group in spmd_grpo.train
-    chosen = verify_start(agree_on_start(planned, world, 60), cfg, world)
+    chosen = verify_start(agree_on_start(planned, world), cfg, world)
     logging.getLogger("spmd_grpo").removeHandler(handler)
     changes = [str(c) for c in chosen.changes]
     views = all_gather_objects((planned.checkpoint, chosen.checkpoint, chosen.abandoned, changes, said))

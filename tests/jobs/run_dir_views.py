@@ -5,12 +5,13 @@
 Rank 0's run directory holds the lock file it wrote. Rank 1's is another directory where the same file
 appears 2 s after the ranks compare their views: what a node whose NFS client still caches the directory's
 lookups sees. The ranks agree after rank 1 read it again (each writes OUT_DIR/rank<r>.agreed). Then rank 1's
-directory never gets the file (a node-local path), with a 4 s collective timeout (2 s of reading again): the
-job ends with exit code 2 and one line naming rank 1's host.
+directory never gets the file (a node-local path), their World saying a 4 s collective timeout (2 s of
+reading again): the job ends with exit code 2 and one line naming rank 1's host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from pathlib import Path
@@ -34,12 +35,13 @@ def main(out: Path) -> None:
         mine = late
         late.mkdir()
         threading.Timer(2.0, lambda: (late / LOCK).write_text(text)).start()
-    agree_on_start(SimpleNamespace(run_dir=mine, checkpoint=None, abandoned=()), world, 60)
+    agree_on_start(SimpleNamespace(run_dir=mine, checkpoint=None, abandoned=()), world)
     (out / f"rank{world.rank}.agreed").write_text("")
     if world.rank == 1:
         mine = never
         never.mkdir()
-    agree_on_start(SimpleNamespace(run_dir=mine, checkpoint=None, abandoned=()), world, 4)
+    short = dataclasses.replace(world, timeout_s=4)  # 2 s of reading again, not 30
+    agree_on_start(SimpleNamespace(run_dir=mine, checkpoint=None, abandoned=()), short)
     raise SystemExit("agree_on_start accepted a run directory rank 1 never saw the lock file of")
 
 

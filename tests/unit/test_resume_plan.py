@@ -298,7 +298,7 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_branch_aside_and_auto_the
     plan = plan_start(_cfg(tmp_path, f"trainer.resume={run / 'checkpoints' / 'global_step_2'}"))
     assert [p.name for p in plan.abandoned] == ["global_step_4", "global_step_5"]
     assert "global_step_4, global_step_5 of the old branch are set aside" in plan.lines()[-1]
-    moved_to = abandon_branch(agree_on_start(plan, ONE_CPU_RANK, 60), ONE_CPU_RANK)
+    moved_to = abandon_branch(agree_on_start(plan, ONE_CPU_RANK), ONE_CPU_RANK)
     assert moved_to == run / "abandoned" / "after_step_2"
     assert sorted(p.name for p in moved_to.iterdir()) == ["global_step_4", "global_step_5"]
     assert (moved_to / "global_step_4" / "trainer_state.json").is_file()  # kept whole
