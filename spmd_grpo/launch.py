@@ -40,6 +40,8 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import argparse
+
     from spmd_grpo.config.schema import Config
 
 STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)
@@ -52,13 +54,13 @@ SHUTDOWN_MARGIN_S = 5
 exits at once by itself."""
 
 
-def check_before_start(argv: list[str]) -> Config | None:
+def check_before_start(args: argparse.Namespace) -> Config | None:
     """Check a `-m spmd_grpo.train` job's config (what every rank would check first) before any rank
-    exists; a mistake prints its one line and exits 2. Returns the config (None where it is left unchecked:
-    another entry point, an elastic node range, `--dry-run`, which torchrun and the ranks handle)."""
-    from torch.distributed.run import determine_local_world_size, parse_args, parse_min_max_nnodes
+    exists; a mistake prints its one line and exits 2. `args`: the command line as torchrun's own parser
+    reads it. Returns the config (None where it is left unchecked: another entry point, an elastic node
+    range, `--dry-run`, which torchrun and the ranks handle)."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
-    args = parse_args(argv)  # torchrun's own parser: a bad torchrun option fails here as it would there
     if not (args.module and args.training_script == TRAIN_MODULE):
         return None
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
@@ -122,9 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import parse_args
 
     argv = sys.argv[1:] if argv is None else argv
-    cfg = check_before_start(argv)
+    args = parse_args(argv)  # torchrun's own parser: a bad torchrun option fails here as it would there
+    cfg = check_before_start(args)
     grace_s = None if cfg is None else cfg.trainer.preempt_grace_s
-    set_shutdown_timeout(parse_args(argv).shutdown_timeout, grace_s, os.environ)  # before torchrun reads it
+    set_shutdown_timeout(args.shutdown_timeout, grace_s, os.environ)  # before torchrun reads it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietConfigErrors())
     try:
         torchrun(argv)
