@@ -1,7 +1,7 @@
 """The trainer passes of a geometry3k-shaped step with and without shared prompts (`worker.actor.shared_prompt`).
 
     python benchmarks/shared_prompt.py [--dtypes float32,bfloat16] [--prompts 2] [--n 8]
-        [--response-length 128] [--image-side 644] [--rounds 2] [--threads 2] [--out result.json]
+        [--response-length 128] [--image-side 644] [--rounds 2] [--threads 2] [--device cpu] [--out result.json]
 
 Workload: the generated ~29M-parameter Qwen2.5-VL of benchmarks/step_throughput.py (no download), `--prompts`
 prompts whose image gives most of a >= 512-token prompt (a 644 x 644 image: 529 image tokens, plus the
@@ -11,9 +11,11 @@ from a separate pass, token-budget micro-batches (`dynamic_batching`, 8192 token
 for the forward-only passes: the same budgets with and without sharing). Timed: old logprobs
 (`compute_logprobs`), reference logprobs (`compute_ref_logprobs`), the update (`update_policy`), one world-1
 gloo process with `--threads` threads per setting and dtype (its own process, so that its peak RSS is its
-own); the last of `--rounds` rounds (the first warms the allocator up). Printed per dtype: each phase and
-their sum, shared / unshared, and the peak RSS of each process (`ru_maxrss`: the model, reference,
-optimizer and the passes' activations).
+own); the last of `--rounds` rounds (the first warms the allocator up and compiles). Printed per dtype: each
+phase and their sum, shared / unshared, and the peak memory of each process: on the CPU its RSS
+(`ru_maxrss`: the model, reference, optimizer and the passes' activations), with `--device cuda` the GPU
+memory torch allocated at its peak (the passes as the trainer runs them there: FSDP2 on one GPU, shared
+prompts through flex attention, nccl).
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ def overrides(args: argparse.Namespace, model_dir: Path, dtype: str, shared: str
         f"worker.actor.global_batch_size={args.n * args.prompts}",
         "worker.actor.model.freeze_vision_tower=false",
         "worker.actor.old_logprobs_from_update=false",
+        "worker.actor.padding_free=true",  # the auto default on the CPU; on CUDA without flash_attn, dense masks
         "worker.actor.dynamic_batching=true",
         "worker.actor.max_token_len_per_device_for_update=8192",
         "worker.actor.max_token_len_per_device_for_experience=16384",
         "algorithm.use_kl_loss=true",
         f"worker.actor.shared_prompt={shared}",
+        f"trainer.device={args.device}",
         *RUN_CONTROL,
     ]
 
@@ -100,7 +104,9 @@ def child(args: argparse.Namespace, model_dir: Path) -> dict:
     dtype, shared = args.child.split(":")
     torch.set_num_threads(args.threads)
     cfg = load_config(REPO / "configs" / "smoke.yaml", overrides(args, model_dir, dtype, shared))
-    world = init_distributed("cpu")
+    world = init_distributed(args.device)
+    cuda = world.device_type == "cuda"
+    clock = lambda: (torch.cuda.synchronize() if cuda else None, time.perf_counter())[1]  # noqa: E731
     torch.manual_seed(0)
     policy = build_policy(cfg.worker.actor, world)
     reference = build_reference(cfg.worker.actor, cfg.worker.ref, world)
@@ -116,17 +122,17 @@ def child(args: argparse.Namespace, model_dir: Path) -> dict:
     built_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     times = {}
     for _ in range(args.rounds):
-        start = time.perf_counter()
+        start = clock()
         for s, lp in zip(samples, compute_logprobs(policy, samples, spec), strict=True):
             s.old_logprobs = lp
-        times["old_log_prob"] = time.perf_counter() - start
-        start = time.perf_counter()
+        times["old_log_prob"] = clock() - start
+        start = clock()
         for s, lp in zip(samples, compute_ref_logprobs(reference, policy, samples, spec), strict=True):
             s.ref_logprobs = lp
-        times["ref"] = time.perf_counter() - start
-        start = time.perf_counter()
+        times["ref"] = clock() - start
+        start = clock()
         metrics = update_policy(policy, optim, samples, spec, world)
-        times["update_actor"] = time.perf_counter() - start
+        times["update_actor"] = clock() - start
     return {
         **times,
         "shared_on": bool(policy.shared_prompt),
@@ -135,6 +141,7 @@ def child(args: argparse.Namespace, model_dir: Path) -> dict:
         "image_tokens": int(samples[0].image_grid_thw.prod().item() // 4),
         "built_rss_gib": built_rss,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
 
 
@@ -143,10 +150,14 @@ def run_child(args: argparse.Namespace, model_dir: Path, dtype: str, shared: str
            "MASTER_PORT": str(29700 + os.getpid() % 200), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # fmt: skip
     cmd = [sys.executable, __file__, "--child", f"{dtype}:{shared}", "--out", str(out), "--prompts",
            str(args.prompts), "--n", str(args.n), "--response-length", str(args.response_length),
-           "--image-side", str(args.image_side), "--rounds", str(args.rounds), "--threads", str(args.threads)]  # fmt: skip
+           "--image-side", str(args.image_side), "--rounds", str(args.rounds), "--threads", str(args.threads),
+           "--device", args.device]  # fmt: skip
+    print(f"{dtype} shared_prompt={shared} ...", end=" ", flush=True)  # where a slow device run is
+    start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         raise SystemExit(f"{dtype} shared={shared} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    print(f"{time.perf_counter() - start:.0f} s", flush=True)
     return json.loads(out.read_text())
 
 
@@ -174,6 +185,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--image-side", type=int, default=644)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return ap
@@ -205,19 +217,21 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
     first = next(iter(results.values()))
     print(f"workload: {args.prompts} prompts of {first['prompt_tokens']} tokens ({first['image_tokens']} image "
           f"tokens) x {args.n} samples x {args.response_length} response tokens; trained tower, KL with a reference "
-          f"model; 1 process x {args.threads} threads; last of {args.rounds} rounds")  # fmt: skip
-    print("| dtype | shared_prompt | old (s) | ref (s) | update (s) | old + ref + update (s) | peak RSS (GiB) | tokens saved (update) |")  # fmt: skip
+          f"model; 1 process x {args.threads} threads on {args.device}; last of {args.rounds} rounds")  # fmt: skip
+    peak = "peak_gpu_gib" if args.device == "cuda" else "peak_rss_gib"
+    label = "peak GPU memory" if args.device == "cuda" else "peak RSS"
+    print(f"| dtype | shared_prompt | old (s) | ref (s) | update (s) | old + ref + update (s) | {label} (GiB) | tokens saved (update) |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for key, r in results.items():
         dtype, shared = key.split(":")
         total = sum(r[p] for p in PHASES)
         print(f"| {dtype} | {shared} | {r['old_log_prob']:.2f} | {r['ref']:.2f} | {r['update_actor']:.2f} | "
-              f"{total:.2f} | {r['peak_rss_gib']:.2f} | {r['tokens_saved']:.0f} |")  # fmt: skip
+              f"{total:.2f} | {r[peak]:.2f} | {r['tokens_saved']:.0f} |")  # fmt: skip
     for dtype in args.dtypes.split(","):
         off, on = results[f"{dtype}:false"], results[f"{dtype}:true"]
         speedup = sum(off[p] for p in PHASES) / sum(on[p] for p in PHASES)
-        print(f"{dtype}: old + ref + update {speedup:.2f}x faster with shared prompts; peak RSS "
-              f"{off['peak_rss_gib']:.2f} -> {on['peak_rss_gib']:.2f} GiB")  # fmt: skip
+        print(f"{dtype}: old + ref + update {speedup:.2f}x faster with shared prompts; {label} "
+              f"{off[peak]:.2f} -> {on[peak]:.2f} GiB")  # fmt: skip
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
 
 
