@@ -145,8 +145,8 @@ class ActorConfig:
     true on CUDA without `flash_attn` packs with a dense block-diagonal mask (correct, not faster)."""
     shared_prompt: Auto = "auto"
     """Each group's prompt and images once in the trainer's passes: P + nR tokens instead of n(P + R), same
-    numbers. auto: on when packed on the CPU, off on accelerators (flex attention unchecked on a GPU); true:
-    flex attention on CUDA; needs padding_free. docs/models.md: Shared prompts."""
+    numbers (flex attention on CUDA). auto: on when packed, on the CPU and CUDA; off on Ascend (unchecked
+    there); needs padding_free. docs/models.md: Shared prompts."""
     reuse_image_features: Auto = "auto"
     """Encode a prompt's images once for its samples (per step if frozen, else per forward-only pass).
     auto: on unless worker.rollout.limit_videos > 0."""

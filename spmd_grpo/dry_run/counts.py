@@ -182,11 +182,12 @@ def param_dtype(cfg: Config) -> str:
 
 
 def shares_prompt(cfg: Config) -> bool:
-    """Whether the planned accelerators hold each group's prompt once: `worker.actor.shared_prompt=true` with
-    packed batches (auto shares on the CPU only: flash attention's varlen kernel cannot share a prefix, and the
-    flex-attention kernel true selects on CUDA is not yet checked on a GPU)."""
+    """Whether the planned accelerators hold each group's prompt once: `worker.actor.shared_prompt` true, or
+    auto on GPUs (not with `trainer.device=npu`), with packed batches (`padding_free` not false: the plan
+    takes `flash_attn` to be installed on the GPUs, as auto packing needs)."""
     a = cfg.worker.actor
-    return a.shared_prompt is True and a.padding_free is not False
+    on = a.shared_prompt is True or (a.shared_prompt == "auto" and cfg.trainer.device != "npu")
+    return on and a.padding_free is not False
 
 
 def micro_tokens(cfg: Config, b: Batches) -> int:

@@ -149,8 +149,8 @@ def _shared_prompt_line(cfg: Config, b: Batches) -> str:
     why = (
         "on"
         if shares_prompt(cfg)
-        else "off on accelerators with auto (on the CPU, auto shares)"
-        if cfg.worker.actor.shared_prompt == "auto"
+        else "off on Ascend NPUs with auto (on GPUs and the CPU, auto shares)"
+        if cfg.worker.actor.shared_prompt == "auto" and cfg.worker.actor.padding_free is not False
         else "off"
     )
     return (

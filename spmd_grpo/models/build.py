@@ -175,15 +175,15 @@ def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, s
 
 def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str) -> bool:
     """Whether the passes hold each group's prompt once (`worker.actor.shared_prompt`). auto: on where the
-    micro-batches are packed on the CPU, whose varlen sdpa (`attention.VARLEN_SDPA`) computes the shared
-    layout; off on accelerators, whose shared-prompt kernel (`shared_flex.shared_prompt_attention`: flex
-    attention with a block mask on CUDA) has not yet passed tests/gpu on a GPU (docs/models.md, Devices).
-    true: on wherever the batches are packed, with that kernel. Every family shares: a mixture-of-experts
+    micro-batches are packed on the CPU (the varlen sdpa, `attention.VARLEN_SDPA`) and on CUDA (flex attention
+    with the shared row's block mask, `shared_flex`; tests/gpu/test_gpu_shared_prompt.py passed on an H200:
+    docs/models.md, Devices); off on Ascend, where only the gathered sdpa would compute it and nothing has run
+    on an NPU. true: on wherever the batches are packed, with `shared_flex.shared_prompt_attention`'s kernel. Every family shares: a mixture-of-experts
     model's routes are laid out, recorded and replayed per token of the shared row (actor/routes.py), a
     hybrid model's linear-attention layers run each prompt once and seed its responses with its final state
     (linear_attention.py)."""
     if setting == "auto":
-        return packed and device_type == "cpu"
+        return packed and device_type in ("cpu", "cuda")
     return bool(setting) and packed
 
 

@@ -12,8 +12,8 @@ flex decoding, and its compilation fails); the tiny Qwen3-VL-MoE and Qwen3.5-MoE
 hybrid Qwen3.5-MoE's shared layout (each prompt's final Gated DeltaNet state seeding its responses,
 flash-linear-attention where installed, whose Triton kernels compute fp32 in TF32) against its unshared layout. Then one attention layer of a geometry3k-shaped
 group (P = 640, n = 8, R = 128, 16 heads, head dim 128, bf16), forward + backward: time and peak memory
-printed, flex asserted not slower. When every test here passes on a GPU, `worker.actor.shared_prompt=auto`
-can turn on for CUDA (models/build.py `shared_prompt_setup`); what has run so far: docs/models.md, Devices.
+printed, flex asserted not slower. `worker.actor.shared_prompt=auto` shares on CUDA because every test here
+passed on a GPU (models/build.py `shared_prompt_setup`); what has run: docs/models.md, Devices.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ def test_the_prompt_owners_name_each_rank_of_a_small_world_once(nproc, owners):
 
 def test_fixed_count_micro_batches_are_planned_padded_to_the_longest():
     cfg = load_config(
-        REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml", ["worker.actor.dynamic_batching=false"]
+        REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml",
+        ["worker.actor.dynamic_batching=false", "worker.actor.shared_prompt=false"],  # 4 whole sequences
     )
     plan = dry_run(cfg, nnodes=1, nproc_per_node=8)
     assert "x 4 micro-batches of 4 x 1 epoch(s)" in plan and "input_ids [4, 4096]" in plan
@@ -145,15 +146,18 @@ def test_dry_run_plans_the_shared_prompt_layout():
     and, when it is on, a fixed-count micro-batch's activations count each of its groups' prompt once."""
     base = ["worker.actor.dynamic_batching=false", "worker.actor.micro_batch_size_per_device_for_update=4"]
     cfg = load_config(REPO / "configs" / "qwen2_5_vl_7b_geo3k_grpo.yaml", base)
-    plans = {on: dry_run(dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, actor=dataclasses.replace(
-        cfg.worker.actor, shared_prompt=on))), nnodes=1, nproc_per_node=8) for on in ("auto", True)}  # fmt: skip
+    npu = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device="npu"))
+    plans = {(on, c.trainer.device): dry_run(dataclasses.replace(c, worker=dataclasses.replace(c.worker, actor=dataclasses.replace(
+        c.worker.actor, shared_prompt=on))), nnodes=1, nproc_per_node=8) for on in ("auto", True) for c in (cfg, npu)}  # fmt: skip
     d, n = cfg.data, cfg.worker.rollout.n
     tokens = f"holds {d.max_prompt_length + n * d.max_response_length} tokens instead of "
-    assert "shared_prompt=auto): off on accelerators" in plans["auto"] and tokens in plans["auto"]
-    assert "shared_prompt=true): on;" in plans[True]
+    off = plans["auto", "npu"]
+    assert "shared_prompt=auto): off on Ascend NPUs" in off and tokens in off
+    on = [plans["auto", "auto"], plans[True, "npu"], plans[True, "auto"]]
+    assert "shared_prompt=auto): on;" in on[0] and all("shared_prompt=true): on;" in plan for plan in on[1:])
     micro = 4 * (d.max_prompt_length + d.max_response_length)  # 4 samples of at most 2 groups when shared
     shared = 2 * d.max_prompt_length + 4 * d.max_response_length
-    assert f"estimate: {micro} tokens'" in plans["auto"] and f"estimate: {shared} tokens'" in plans[True]
+    assert f"estimate: {micro} tokens'" in off and all(f"estimate: {shared} tokens'" in plan for plan in on)
 
 
 QWEN3_VL_30B = REPO / "configs" / "qwen3_vl_30b_a3b_geo3k_grpo.yaml"

@@ -299,7 +299,8 @@ def test_token_budget_counts_each_prompt_once_and_cuts_a_group_over_it(tiny):
 def test_shared_prompt_setting_resolves_per_device():
     """Every family shares (MoE routes per token of the row, a hybrid's linear-attention state seeded)."""
     assert shared_prompt_setup("auto", True, "cpu") is True
-    assert shared_prompt_setup("auto", True, "cuda") is False  # flex attention not yet run on a GPU
+    assert shared_prompt_setup("auto", True, "cuda") is True  # flex attention (tests/gpu passed on an H200)
+    assert shared_prompt_setup("auto", True, "npu") is False  # nothing has run on an NPU
     assert shared_prompt_setup(True, True, "cuda") is True  # through flex attention (shared_flex.py)
     assert shared_prompt_setup("auto", False, "cpu") is False  # padded batches
     assert shared_prompt_setup(False, True, "cpu") is False
