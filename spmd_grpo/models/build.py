@@ -178,10 +178,10 @@ def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str) -> 
     micro-batches are packed on the CPU (the varlen sdpa, `attention.VARLEN_SDPA`) and on CUDA (flex attention
     with the shared row's block mask, `shared_flex`; tests/gpu/test_gpu_shared_prompt.py passed on an H200:
     docs/models.md, Devices); off on Ascend, where only the gathered sdpa would compute it and nothing has run
-    on an NPU. true: on wherever the batches are packed, with `shared_flex.shared_prompt_attention`'s kernel. Every family shares: a mixture-of-experts
-    model's routes are laid out, recorded and replayed per token of the shared row (actor/routes.py), a
-    hybrid model's linear-attention layers run each prompt once and seed its responses with its final state
-    (linear_attention.py)."""
+    on an NPU. true: on wherever the batches are packed, with `shared_flex.shared_prompt_attention`'s kernel.
+    Every family shares: a mixture-of-experts model's routes are laid out, recorded and replayed per token of
+    the shared row (actor/routes.py), a hybrid model's linear-attention layers run each prompt once and seed
+    its responses with its final state (linear_attention.py)."""
     if setting == "auto":
         return packed and device_type in ("cpu", "cuda")
     return bool(setting) and packed
