@@ -50,7 +50,6 @@ def overrides(args: argparse.Namespace, model_dir: Path, dtype: str, shared: str
         f"worker.actor.global_batch_size={args.n * args.prompts}",
         "worker.actor.model.freeze_vision_tower=false",
         "worker.actor.old_logprobs_from_update=false",
-        "worker.actor.padding_free=true",  # the auto default on the CPU; on CUDA without flash_attn, dense masks
         "worker.actor.dynamic_batching=true",
         "worker.actor.max_token_len_per_device_for_update=8192",
         "worker.actor.max_token_len_per_device_for_experience=16384",

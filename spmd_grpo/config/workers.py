@@ -141,8 +141,8 @@ class ActorConfig:
     logprob_chunk_size: c.Positive = 1024
     """Tokens per chunk of the vocabulary-sized log-softmax (bounds its memory)."""
     padding_free: Auto = "auto"
-    """Pack a micro-batch into one row. auto: where a varlen attention runs (`flash_attn`, Ascend, the CPU);
-    true on CUDA without `flash_attn` packs with a dense block-diagonal mask (correct, not faster)."""
+    """Pack a micro-batch into one row. auto: everywhere (`flash_attn` on CUDA, else flex attention; Ascend's
+    fused kernel; the CPU's per-length sdpa). docs/models.md: Attention and packing."""
     shared_prompt: Auto = "auto"
     """Each group's prompt and images once in the trainer's passes: P + nR tokens instead of n(P + R), same
     numbers (flex attention on CUDA). auto: on when packed, on the CPU and CUDA; off on Ascend (unchecked

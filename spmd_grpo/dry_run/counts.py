@@ -183,8 +183,7 @@ def param_dtype(cfg: Config) -> str:
 
 def shares_prompt(cfg: Config) -> bool:
     """Whether the planned accelerators hold each group's prompt once: `worker.actor.shared_prompt` true, or
-    auto on GPUs (not with `trainer.device=npu`), with packed batches (`padding_free` not false: the plan
-    takes `flash_attn` to be installed on the GPUs, as auto packing needs)."""
+    auto on GPUs (not with `trainer.device=npu`), with packed batches (`padding_free` not false)."""
     a = cfg.worker.actor
     on = a.shared_prompt is True or (a.shared_prompt == "auto" and cfg.trainer.device != "npu")
     return on and a.padding_free is not False

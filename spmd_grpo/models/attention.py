@@ -237,8 +237,8 @@ def varlen_attention(device_type: str) -> str | None:
     """The transformers `attn_implementation` with a variable-length kernel for packed sequences, or None.
 
     npu: `flash_attention_2`, which transformers maps to torch_npu's `npu_fusion_attention` (varlen through
-    `cu_seqlens`); cuda: `flash_attention_2` when the `flash_attn` package imports (else None: sdpa would
-    build a dense block-diagonal mask); cpu: `attention.VARLEN_SDPA`, causal sdpa per packed-sequence length.
+    `cu_seqlens`); cuda: `flash_attention_2` when the `flash_attn` package imports (else None: the build packs
+    through flex attention, `shared_flex`); cpu: `attention.VARLEN_SDPA`, causal sdpa per packed-sequence length.
     Verified here only on CPU (packed vs padded); neither GPU kernel has run in this project.
     """
     if device_type == "npu":

@@ -76,7 +76,7 @@ from spmd_grpo.models.lora import add_adapters, base_name, init_adapters, is_ada
 from spmd_grpo.models.moe.expert_parallel import expert_mesh, shard_experts
 from spmd_grpo.models.moe.install import install_moe, moe_blocks, router_aux_loss_coef
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
-from spmd_grpo.models.shared_flex import shared_prompt_attention
+from spmd_grpo.models.shared_flex import FLEX_SHARED, shared_prompt_attention
 from spmd_grpo.models.weights import load_safetensors_into
 from spmd_grpo.parallel.collectives import World, barrier
 from spmd_grpo.parallel.devices import DTYPES, resolve_dtype
@@ -159,18 +159,14 @@ def shard_model(model: PolicyModule, fsdp: FSDPConfig, world: World) -> PolicyMo
 def attention_setup(padding_free: bool | str, device_type: str) -> tuple[bool, str]:
     """(pack the micro-batches?, transformers attn_implementation) for `worker.actor.padding_free`.
 
-    auto packs only where the device has a varlen kernel (`attention.varlen_attention`: flash attention
-    on CUDA with `flash_attn`, the fused kernel on Ascend, per-length sdpa on the CPU); true packs
-    anywhere (sdpa with a dense block-diagonal mask where there is no kernel: CUDA without `flash_attn`);
-    false never packs. The kernel is used whenever it exists: it also serves padded batches.
+    Every device has a kernel for packed rows: `attention.varlen_attention` (flash attention on CUDA with
+    `flash_attn`, the fused kernel on Ascend, per-length sdpa on the CPU), else, on CUDA, flex attention with
+    the row's block-diagonal causal mask (`shared_flex.FLEX_SHARED`, which also computes shared prompts: on an
+    H200 its packed rows, shared or not, were as close to float64 as the gathered sdpa's). So auto and true
+    pack, false never does. The kernel is used either way: padded batches and the vision tower go through
+    transformers' sdpa inside it.
     """
-    kernel = varlen_attention(device_type)
-    packed = kernel is not None if padding_free == "auto" else bool(padding_free)
-    if packed and kernel is None and device_type != "cpu":
-        log.warning(
-            "padding_free on %s without a varlen attention kernel: dense block-diagonal masks", device_type
-        )
-    return packed, kernel or "sdpa"
+    return padding_free is not False, varlen_attention(device_type) or FLEX_SHARED
 
 
 def shared_prompt_setup(setting: bool | str, packed: bool, device_type: str) -> bool:

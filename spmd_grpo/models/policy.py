@@ -15,9 +15,9 @@ Padding-free (`worker.actor.padding_free`): a micro-batch's sequences are packed
 with no attention mask, and the positions get a 4th row (first) of plain per-sequence text positions.
 transformers 5.x reads it to keep attention inside each sequence: varlen `cu_seqlens` with flash attention
 (CUDA, and Ascend's fused kernel behind the same name), causal sdpa per sequence length on the CPU
-(`attention.VARLEN_SDPA`), a dense block-diagonal causal mask with plain sdpa (CUDA without `flash_attn`:
-correct, not faster). Checked here on CPU only (fp32, both sdpa paths): logprobs, entropy and gradients
-equal the padded forward's to fp32 rounding (tests/unit/test_packing.py). No padding token is computed.
+(`attention.VARLEN_SDPA`), flex attention with the row's block mask (CUDA without `flash_attn`:
+`shared_flex`). Logprobs, entropy and gradients equal the padded forward's to fp32 rounding
+(tests/unit/test_packing.py on the CPU; tests/gpu on CUDA). No padding token is computed.
 
 Image features (`ImageBatch`, `SequenceBatch.image_features`): the root module can run the vision tower
 alone and take its output back instead of pixels (transformers' `mm_encoder_outputs`, matched to the image

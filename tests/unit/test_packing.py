@@ -28,6 +28,7 @@ from spmd_grpo.models import build as model_module
 from spmd_grpo.models.attention import VARLEN_SDPA
 from spmd_grpo.models.inputs import ImageBatch, collate, dummy_image, mrope_position_ids
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
+from spmd_grpo.models.shared_flex import FLEX_SHARED
 from tests.conftest import tiny_model
 
 # (image sizes of the prompt, response length) per sequence; a response token list is made from its length.
@@ -310,8 +311,10 @@ def test_dummy_image_runs_through_the_tower(tiny):
 def test_padding_free_setting_picks_packing_and_attention(monkeypatch):
     assert model_module.attention_setup("auto", "cpu") == (True, VARLEN_SDPA)
     assert model_module.attention_setup(False, "cpu") == (False, VARLEN_SDPA)  # padded batches: plain sdpa
-    assert model_module.attention_setup("auto", "cuda") == (False, "sdpa")  # no flash_attn installed here
-    assert model_module.attention_setup(True, "cuda") == (True, "sdpa")  # the dense block-diagonal mask
+    # no flash_attn installed here: flex attention with the row's block mask
+    assert model_module.attention_setup("auto", "cuda") == (True, FLEX_SHARED)
+    assert model_module.attention_setup(False, "cuda") == (False, FLEX_SHARED)  # padded: sdpa inside it
+    assert model_module.attention_setup(True, "npu") == (True, "flash_attention_2")
     monkeypatch.setattr(model_module, "varlen_attention", lambda device_type: "flash_attention_2")
     assert model_module.attention_setup("auto", "cuda") == (True, "flash_attention_2")
     assert model_module.attention_setup(False, "cuda") == (False, "flash_attention_2")
