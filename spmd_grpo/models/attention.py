@@ -125,9 +125,10 @@ class LastRow:
 
     transformers hands every layer of a forward the same positions tensor: that tensor is recognised without
     reading its values (the same memory, shape and strides, not written since), which on an accelerator would
-    make the host wait for the device at every layer (torch.equal returns a Python bool). Holding the tensor keeps
-    its memory from being reused by another. Any other tensor is compared by value, once per forward at its
-    first layer, so passes over the same row (the old-logprob and reference passes) still share the build."""
+    make the host wait for the device at every layer (torch.equal returns a Python bool). Holding the tensor
+    keeps its memory from being reused by another. Any other tensor is compared by value, once per forward at
+    its first layer, so passes over the same row (the old-logprob and reference passes) still share the
+    build."""
 
     def __init__(self, build) -> None:
         self.build, self.positions, self.value = build, None, None

@@ -30,26 +30,28 @@ sdpa over [prompt keys; own keys]):
     and per (P, Rq), with an explicit mask, which rules out the flash kernel inside torch's sdpa).
 
 Where it runs: `shared_prompt_attention` picks it on CUDA, compiled (`torch.compile(flex_attention,
-dynamic=True)`, one graph for every row length of a kind of call; tests/gpu/test_gpu_shared_prompt.py measures it
-and the gathered sdpa against float64 and times both; docs/models.md, Devices, says what has run on a GPU),
+dynamic=True)`, one graph for every row length of a kind of call; tests/gpu/test_gpu_shared_prompt.py measures
+it and the gathered sdpa against float64 and times both; docs/models.md, Devices, says what has run on a GPU),
 always with flex attention's main kernel (`KERNEL_OPTIONS`): for a row shorter than 128 tokens whose query
 heads per key/value head are a power of two, inductor would otherwise lower the forward to its flex-decoding
-kernel, whose default query tile (the next power of two of T x query heads per key/value head) must divide
-the 128-token block; past 128 no configuration is left and the compilation fails (torch 2.13's lowering:
+kernel, whose default query tile (the next power of two of T x query heads per key/value head) must divide the
+128-token block; past 128 no configuration is left and the compilation fails (torch 2.13's lowering:
 NoValidChoicesError for a 109-token row with 2 query heads per key/value head).
-Compiled graphs (`RECOMPILE_LIMIT`): dynamo keeps one graph of flex attention per kind of call and
-recompiles for each new kind, and past its process-wide limit of 8 graphs per function it runs the function
-uncompiled from then on, with a single log line: flex attention unfused holds the whole [H, T, T] score matrix
-(a 16k-token row with 28 heads: 30 GB in fp32), an out-of-memory error minutes into a run. The kinds, counted
-on the CPU over the passes' calls (dynamo's own guards; tests/distributed/test_shared_flex_kernel.py): grad
-mode (the logprob passes run without, the update with), the dtype (a reference in another `worker.ref.dtype`
-than the policy's param_dtype), which inputs require grad (a LoRA adapter on q_proj and v_proj only: the
-first layer's keys do not), and a row of one 128-token block against a longer one (dynamo specialises a
-size of 1); on CUDA inductor's kernel choice adds a guard T < 128 (a row of exactly 128 tokens). That is 8
-graphs with an fp32 reference and such adapters on the CPU, 12 on CUDA: past 8. Both compiled functions
-therefore run under their own limit and `fullgraph=True`, which makes dynamo raise instead of falling back;
-the error names this setting. The global limit, which the in-process vLLM engine also reads, is unchanged.
-The block mask is built without autograd (integer block indices: grad mode would double its graphs).
+
+Compiled graphs (`RECOMPILE_LIMIT`): dynamo keeps one graph of flex attention per kind of call and recompiles
+for each new kind, and past its process-wide limit of 8 graphs per function it runs the function uncompiled
+from then on, with a single log line: flex attention unfused holds the whole [H, T, T] score matrix (a
+16k-token row with 28 heads: 30 GB in fp32), an out-of-memory error minutes into a run. The kinds, counted on
+the CPU over the passes' calls (dynamo's own guards; tests/distributed/test_shared_flex_kernel.py): grad mode
+(the logprob passes run without, the update with), the dtype (a reference in another `worker.ref.dtype` than
+the policy's param_dtype), which inputs require grad (a LoRA adapter on q_proj and v_proj only: the first
+layer's keys do not), and a row of one 128-token block against a longer one (dynamo specialises a size of 1);
+on CUDA inductor's kernel choice adds a guard T < 128 (a row of exactly 128 tokens). That is 8 graphs with an
+fp32 reference and such adapters on the CPU, 12 on CUDA: past 8. Both compiled functions therefore run under
+their own limit and `fullgraph=True`, which makes dynamo raise instead of falling back; the error names the
+setting that avoids flex attention (padded batches). The global limit, which the in-process vLLM engine also
+reads, is unchanged. The block mask is built without autograd (integer block indices: grad mode would double
+its graphs).
 
 On the CPU torch runs flex attention's forward unfused (the full score matrix) and refuses its backward, so
 the CPU keeps `attention.VARLEN_SDPA`; the CPU tests run this function's forward for real and its backward
@@ -136,10 +138,10 @@ def _within_limit(compiled, *args, **kwargs):
             return compiled(*args, **kwargs)
     except FailOnRecompileLimitHit as e:
         raise RuntimeError(
-            f"shared-prompt flex attention needed more than {RECOMPILE_LIMIT} compiled graphs of "
+            f"packed-row flex attention needed more than {RECOMPILE_LIMIT} compiled graphs of "
             f"{getattr(compiled, '__name__', compiled)} in this process (TORCH_LOGS=recompiles names the guards "
             "that failed); unfused, it would hold each row's whole score matrix. Set "
-            "worker.actor.shared_prompt=false to run without it"
+            "worker.actor.padding_free=false to run padded batches through sdpa instead"
         ) from e
 
 

@@ -1,19 +1,20 @@
 """How the shared row's flex attention compiles on CUDA (models/shared_flex.py), decided without a GPU: which
-Triton kernel inductor lowers it to (inductor's own rule on the arguments `flex_shared_forward` passes), and how
-many graphs dynamo keeps over the passes' calls (dynamo's own guards, traced on the CPU).
+Triton kernel inductor lowers it to (inductor's own rule on the arguments `flex_shared_forward` passes), and
+how many graphs dynamo keeps over the passes' calls (dynamo's own guards, traced on the CPU).
 
 A row shorter than 128 tokens whose query heads per key/value head are a power of two would go to inductor's
 flex-decoding kernel, whose default query tile (the next power of two of T x heads per key/value head) has to
 divide the 128-token block: a 109-token row of the tiny model (2 query heads, 1 key/value head) leaves it no
 configuration, and the compilation fails. The shared row must always get the main kernel.
 
-Graphs: past a function's recompile limit dynamo would run flex attention unfused (the whole score matrix of
-a row, an out-of-memory error on a long one). Over old-logprob, reference and update calls on rows of one block and
-of several, a reference in fp32, and a first layer whose keys need no grad (LoRA on q_proj and v_proj), flex
-attention keeps 8 graphs and the block mask 2 (built without autograd); one kind of call past the limit raises.
+Graphs: past a function's recompile limit dynamo would run flex attention unfused (the whole score matrix of a
+row, an out-of-memory error on a long one). Over old-logprob, reference and update calls on rows of one block
+and of several, a reference in fp32, and a first layer whose keys need no grad (LoRA on q_proj and v_proj),
+flex attention keeps 8 graphs and the block mask 2 (built without autograd); one kind of call past the limit
+raises.
 
-In this tier rather than tests/unit: importing inductor's lowering costs about half a second, tracing the graphs
-a few seconds.
+In this tier rather than tests/unit: importing inductor's lowering costs about half a second, tracing the
+graphs a few seconds.
 """
 
 from __future__ import annotations
@@ -116,5 +117,5 @@ def test_the_passes_calls_fit_the_compiled_functions_limit_and_one_more_kind_rai
     assert torch._dynamo.config.recompile_limit == limit  # the process-wide limit, untouched
 
     monkeypatch.setattr(shared_flex, "RECOMPILE_LIMIT", 8)
-    with pytest.raises(RuntimeError, match="worker.actor.shared_prompt=false"), torch.no_grad():
+    with pytest.raises(RuntimeError, match="worker.actor.padding_free=false"), torch.no_grad():
         attend(row(200, 3, 70), torch.float16, grad=False)  # a ninth kind: dynamo would run it unfused

@@ -137,8 +137,9 @@ def test_flex_gives_the_gathered_sdpa_results_for_moe_with_replayed_routes(flex_
 
 
 class _HostWaits(TorchFunctionMode):
-    """The calls, made by the packed-row modules themselves, of the torch functions that make the host wait for a
-    CUDA device: reading values back (equal, tolist, item, nonzero, cpu) or copying to it (to, tensor)."""
+    """The calls, made by the packed-row modules themselves, of the torch functions that make the host wait
+    for a CUDA device: reading values back (equal, tolist, item, nonzero, cpu) or copying to it (to,
+    tensor)."""
 
     NAMES = {"equal", "tolist", "item", "nonzero", "cpu", "to", "tensor"}
     MODULES = ("models/attention.py", "models/shared_flex.py", "models/linear_attention.py")
