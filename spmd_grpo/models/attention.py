@@ -121,12 +121,31 @@ def attention_plan(positions: torch.Tensor) -> AttentionPlan:
 
 class LastRow:
     """`build(positions)` for the last packed row, rebuilt only when its text positions change: every
-    attention layer of a forward asks again for the same row."""
+    attention layer of a forward asks again for the same row.
+
+    transformers hands every layer of a forward the same positions tensor: that tensor is recognised without
+    reading its values (the same memory, shape and strides, not written since), which on an accelerator would
+    make the host wait for the device at every layer (torch.equal returns a Python bool). Holding the tensor
+    keeps its memory from being reused by another. Any other tensor is compared by value, once per forward at
+    its first layer, so passes over the same row (the old-logprob and reference passes) still share the
+    build."""
 
     def __init__(self, build) -> None:
         self.build, self.positions, self.value = build, None, None
+        self.asked, self.asked_version = None, -1  # the tensor last asked about, and its version then
 
     def __call__(self, positions: torch.Tensor):
+        asked = self.asked
+        if (
+            asked is not None
+            and not positions.is_inference()
+            and asked.data_ptr() == positions.data_ptr()
+            and asked.shape == positions.shape
+            and asked.stride() == positions.stride()
+            and asked.device == positions.device
+            and positions._version == self.asked_version
+        ):
+            return self.value
         seen = self.positions
         if (
             seen is None
@@ -135,6 +154,8 @@ class LastRow:
             or not torch.equal(seen, positions)
         ):
             self.value, self.positions = self.build(positions), positions.clone()
+        inference = positions.is_inference()  # no version counter: never recognised by identity
+        self.asked, self.asked_version = (None, -1) if inference else (positions, positions._version)
         return self.value
 
 

@@ -36,13 +36,14 @@ fp32 rounding here (tests/unit/test_shared_prompt_moe.py, Qwen3.5-MoE).
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd_grpo.models.attention import row_roots
+from spmd_grpo.models.attention import LastRow, row_roots
 
 
 class _PromptState:
@@ -72,51 +73,86 @@ class _PromptState:
         return state
 
 
+@dataclass(frozen=True)
+class _RowRuns:
+    """How a packed row runs through a linear-attention layer (the module docstring), read once per row from
+    its text positions: each batch of runs of one length n as its token index [m * n] on the row's device,
+    with the groups whose prompt (or response) each run is, and the permutation that puts the outputs back in
+    row order."""
+
+    single: bool  # one unshared sequence: the layer runs unchanged
+    plain: list[tuple[int, torch.Tensor]]  # (n, index) of whole sequences
+    prompts: list[tuple[int, list[int], torch.Tensor]]  # (P, group of each run, index)
+    responses: list[tuple[int, list[int], torch.Tensor]]  # (n, group of each run, index)
+    inverse: torch.Tensor | None  # [T]: row position -> place among the concatenated outputs
+
+
+def _row_runs(positions: torch.Tensor) -> _RowRuns:
+    """`_RowRuns` of the packed row of text positions [T] (its sequences: `attention.row_roots`)."""
+    roots = row_roots(positions)
+    if len(roots) == 1 and roots[0][2] is None:
+        return _RowRuns(True, [], [], [], None)
+    plain: dict[int, list[int]] = {}  # length -> starts of whole sequences
+    prompts: dict[int, list[tuple[int, int]]] = {}  # prompt length -> (start, group)
+    responses: dict[int, list[tuple[int, int]]] = {}  # length -> (start, group) of shared-prompt responses
+    for g, (start, end, prefix, rest) in enumerate(roots):
+        if prefix is None:
+            plain.setdefault(end - start, []).append(start)
+            continue
+        prompts.setdefault(prefix, []).append((start, g))
+        first = [(start + prefix, end - start - prefix)] if end - start > prefix else []
+        for r, n in [*first, *rest]:
+            responses.setdefault(n, []).append((r, g))
+    device = positions.device
+
+    def index(starts: list[int], n: int) -> torch.Tensor:
+        return (torch.tensor(starts)[:, None] + torch.arange(n)).flatten().to(device)
+
+    runs = _RowRuns(
+        False,
+        [(n, index(starts, n)) for n, starts in plain.items()],
+        [(p, [g for _, g in items], index([a for a, _ in items], p)) for p, items in prompts.items()],
+        [(n, [g for _, g in items], index([r for r, _ in items], n)) for n, items in responses.items()],
+        None,
+    )
+    order = [run[-1] for run in (*runs.plain, *runs.prompts, *runs.responses)]
+    return replace(runs, inverse=torch.argsort(torch.cat(order)))
+
+
+_cached_runs = LastRow(_row_runs)
+
+
 def _split_forward(layer: nn.Module, forward):
     """`forward` of a Gated DeltaNet `layer`, run per packed sequence when its decoder layer saw restarts,
-    each shared prompt once with its final state seeding its responses (the module docstring)."""
+    each shared prompt once with its final state seeding its responses (the module docstring). The row's
+    runs are read once per row (`_RowRuns`), not once per layer: on an accelerator reading the positions
+    and copying the index lists to the device would make the host wait at every layer."""
 
     def packed_forward(hidden_states: torch.Tensor, *args, **kwargs):
         positions = layer.__dict__.pop("_packed_positions", None)
         if positions is None or hidden_states.shape[0] != 1 or kwargs.get("cache_params") is not None:
             return forward(hidden_states, *args, **kwargs)
-        roots = row_roots(positions.reshape(-1))
-        if len(roots) == 1 and roots[0][2] is None:
+        runs = _cached_runs(positions.reshape(-1))
+        if runs.single:
             return forward(hidden_states, *args, **kwargs)
         kwargs["attention_mask"] = None  # a packed row has none; each group is unpadded
-        plain: dict[int, list[int]] = {}  # length -> starts of whole sequences
-        prompts: dict[int, list[int]] = {}  # prompt length -> its groups (indexes of `roots`)
-        responses: dict[
-            int, list[tuple[int, int]]
-        ] = {}  # length -> (start, group) of shared-prompt responses
-        for g, (start, end, prefix, rest) in enumerate(roots):
-            if prefix is None:
-                plain.setdefault(end - start, []).append(start)
-                continue
-            prompts.setdefault(prefix, []).append(g)
-            first = [(start + prefix, end - start - prefix)] if end - start > prefix else []
-            for r, n in [*first, *rest]:
-                responses.setdefault(n, []).append((r, g))
-        outputs, order = [], []
+        outputs = []
 
-        def run(starts: list[int], n: int, state: _PromptState | None = None) -> None:
-            device = hidden_states.device
-            index = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).flatten()
-            group = hidden_states[0].index_select(0, index).unflatten(0, (len(starts), n))  # [m, n, H]
+        def run(index: torch.Tensor, n: int, state: _PromptState | None = None) -> None:
+            group = hidden_states[0].index_select(0, index).unflatten(0, (-1, n))  # [m, n, H]
             outputs.append(forward(group, *args, **{**kwargs, "cache_params": state}).flatten(0, 1))
-            order.append(index)
 
-        for n, starts in plain.items():
-            run(starts, n)
+        for n, index in runs.plain:
+            run(index, n)
         seeds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for p, groups in prompts.items():
+        for p, groups, index in runs.prompts:
             state = _PromptState()
-            run([roots[g][0] for g in groups], p, state)
+            run(index, p, state)
             seeds.update((g, (state.final_conv[j], state.final_recurrent[j])) for j, g in enumerate(groups))
-        for n, items in responses.items():
-            conv, recurrent = (torch.stack([seeds[g][k] for _, g in items]) for k in (0, 1))
-            run([r for r, _ in items], n, _PromptState(conv, recurrent))
-        return torch.cat(outputs).index_select(0, torch.argsort(torch.cat(order))).unsqueeze(0)
+        for n, groups, index in runs.responses:
+            conv, recurrent = (torch.stack([seeds[g][k] for g in groups]) for k in (0, 1))
+            run(index, n, _PromptState(conv, recurrent))
+        return torch.cat(outputs).index_select(0, runs.inverse).unsqueeze(0)
 
     return packed_forward
 

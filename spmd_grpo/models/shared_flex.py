@@ -30,13 +30,29 @@ sdpa over [prompt keys; own keys]):
     and per (P, Rq), with an explicit mask, which rules out the flash kernel inside torch's sdpa).
 
 Where it runs: `shared_prompt_attention` picks it on CUDA, compiled (`torch.compile(flex_attention,
-dynamic=True)`, meant to compile once for all row lengths; tests/gpu/test_gpu_shared_prompt.py measures it
-and the gathered sdpa against float64 and times both; docs/models.md, Devices, says what has run on a GPU),
+dynamic=True)`, one graph for every row length of a kind of call; tests/gpu/test_gpu_shared_prompt.py measures
+it and the gathered sdpa against float64 and times both; docs/models.md, Devices, says what has run on a GPU),
 always with flex attention's main kernel (`KERNEL_OPTIONS`): for a row shorter than 128 tokens whose query
 heads per key/value head are a power of two, inductor would otherwise lower the forward to its flex-decoding
-kernel, whose default query tile (the next power of two of T x query heads per key/value head) must divide
-the 128-token block; past 128 no configuration is left and the compilation fails (torch 2.13's lowering:
+kernel, whose default query tile (the next power of two of T x query heads per key/value head) must divide the
+128-token block; past 128 no configuration is left and the compilation fails (torch 2.13's lowering:
 NoValidChoicesError for a 109-token row with 2 query heads per key/value head).
+
+Compiled graphs (`RECOMPILE_LIMIT`): dynamo keeps one graph of flex attention per kind of call and recompiles
+for each new kind, and past its process-wide limit of 8 graphs per function it runs the function uncompiled
+from then on, with a single log line: flex attention unfused holds the whole [H, T, T] score matrix (a
+16k-token row with 28 heads: 30 GB in fp32), an out-of-memory error minutes into a run. The kinds, counted on
+the CPU over the passes' calls (dynamo's own guards; tests/distributed/test_shared_flex_kernel.py): grad mode
+(the logprob passes run without, the update with), the dtype (a reference in another `worker.ref.dtype` than
+the policy's param_dtype), which inputs require grad (a LoRA adapter on q_proj and v_proj only: the first
+layer's keys do not), and a row of one 128-token block against a longer one (dynamo specialises a size of 1);
+on CUDA inductor's kernel choice adds a guard T < 128 (a row of exactly 128 tokens). That is 8 graphs with an
+fp32 reference and such adapters on the CPU, 12 on CUDA: past 8. Both compiled functions therefore run under
+their own limit and `fullgraph=True`, which makes dynamo raise instead of falling back; the error names the
+setting that avoids flex attention (padded batches). The global limit, which the in-process vLLM engine also
+reads, is unchanged. The block mask is built without autograd (integer block indices: grad mode would double
+its graphs).
+
 On the CPU torch runs flex attention's forward unfused (the full score matrix) and refuses its backward, so
 the CPU keeps `attention.VARLEN_SDPA`; the CPU tests run this function's forward for real and its backward
 through torch's reference (math) implementation. torch_npu has no flex kernel: Ascend keeps the gathered
@@ -45,6 +61,8 @@ transformers' sdpa unchanged.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import AttentionInterface
@@ -91,31 +109,63 @@ KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 """flex attention's kernel options: its main kernel for every row length, never flex decoding (module
 docstring). vLLM's flex-attention backend passes the same option."""
 
+COMPILED_ON = ("cuda",)
+"""Device types whose flex attention is compiled into fused kernels; elsewhere (the CPU) it runs unfused."""
+
+RECOMPILE_LIMIT = 32
+"""Graphs each of the two compiled functions (flex attention, the block mask) may hold in one process: the
+kinds of call the module docstring lists, 12 at most on CUDA, with room for a change of the global state
+dynamo guards on (TF32, the thread count). One more raises (`_within_limit`) instead of running flex
+attention unfused."""
+
 _compiled: dict = {}
+
+
+def _compile(name: str, fn):
+    """`fn` compiled once per process with dynamic shapes, one graph per call (`fullgraph`)."""
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _compiled[name]
+
+
+def _within_limit(compiled, *args, **kwargs):
+    """`compiled(*args, **kwargs)` with at most `RECOMPILE_LIMIT` graphs for its function; one more raises
+    (module docstring)."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    try:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+    except FailOnRecompileLimitHit as e:
+        raise RuntimeError(
+            f"packed-row flex attention needed more than {RECOMPILE_LIMIT} compiled graphs of "
+            f"{getattr(compiled, '__name__', compiled)} in this process (TORCH_LOGS=recompiles names the guards "
+            "that failed); unfused, it would hold each row's whole score matrix. Set "
+            "worker.actor.padding_free=false to run padded batches through sdpa instead"
+        ) from e
 
 
 def _build_block_mask(positions: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask
 
     n = positions.numel()
-    compiled = positions.device.type != "cpu"
-    return create_block_mask(
-        shared_row_mask_mod(positions), None, None, n, n, device=positions.device, _compile=compiled
-    )
+    args = (shared_row_mask_mod(positions), None, None, n, n)
+    if positions.device.type not in COMPILED_ON:
+        return create_block_mask(*args, device=positions.device)
+    with torch.no_grad():  # block indices: no autograd, one graph for every pass
+        return _within_limit(_compile("block_mask", create_block_mask), *args, device=positions.device)
 
 
 _block_mask = LastRow(_build_block_mask)
 
 
 def _flex(device_type: str):
-    """flex attention: compiled once on accelerators (fused kernels), eager on the CPU."""
+    """flex attention: compiled on accelerators (fused kernels; `_within_limit`), eager on the CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device_type == "cpu":
+    if device_type not in COMPILED_ON:
         return flex_attention
-    if "fn" not in _compiled:
-        _compiled["fn"] = torch.compile(flex_attention, dynamic=True)
-    return _compiled["fn"]
+    return functools.partial(_within_limit, _compile("flex", flex_attention))
 
 
 def flex_shared_forward(

@@ -8,15 +8,21 @@ the CPU's gathered sdpa (`attention.VARLEN_SDPA`), on the CPU.
   either function, shared and unshared packed rows. torch runs flex attention's forward on the CPU (unfused)
   and refuses its backward there; the gradients are taken with that device check lifted, through torch's
   reference implementation. The fused GPU kernel is tests/gpu's.
+* Every layer of a forward asks for the same row: only the first reads the row's positions or copies index
+  lists to the device (each would make the host wait for a GPU at every layer), in flex attention and in a
+  hybrid model's linear-attention layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.attention.flex_attention as torch_flex
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from spmd_grpo.actor.logprob_pass import compute_logprobs
@@ -24,7 +30,12 @@ from spmd_grpo.actor.micro_batches import collate_for, collate_samples
 from spmd_grpo.models.attention import VARLEN_SDPA
 from spmd_grpo.models.inputs import mrope_position_ids
 from spmd_grpo.models.policy import PolicyModule, unsamplable_token_ids
-from spmd_grpo.models.shared_flex import FLEX_SHARED, shared_prompt_attention, shared_row_mask_mod
+from spmd_grpo.models.shared_flex import (
+    FLEX_SHARED,
+    flex_shared_forward,
+    shared_prompt_attention,
+    shared_row_mask_mod,
+)
 from tests.conftest import tiny_model
 from tests.unit.test_packing import _run
 from tests.unit.test_shared_prompt import BASE, _same, group_samples
@@ -123,3 +134,45 @@ def test_flex_gives_the_gathered_sdpa_results_for_moe_with_replayed_routes(flex_
         moe_policy.shared_prompt = False
     _same(sdpa, flex)
     assert flex_backward_on_cpu == [batch.input_ids.shape[1]] * 2  # both decoder layers
+
+
+class _HostWaits(TorchFunctionMode):
+    """The calls, made by the packed-row modules themselves, of the torch functions that make the host wait
+    for a CUDA device: reading values back (equal, tolist, item, nonzero, cpu) or copying to it (to,
+    tensor)."""
+
+    NAMES = {"equal", "tolist", "item", "nonzero", "cpu", "to", "tensor"}
+    MODULES = ("models/attention.py", "models/shared_flex.py", "models/linear_attention.py")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():  # flex attention's own graph, traced by dynamo
+            return func(*args, **(kwargs or {}))
+        caller = sys._getframe(1).f_code
+        if getattr(func, "__name__", "") in self.NAMES and caller.co_filename.endswith(self.MODULES):
+            self.calls.append(f"{func.__name__} in {caller.co_name}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_only_the_first_layer_of_a_forward_reads_the_row():
+    policy = tiny_moe_policy("qwen3_5_moe")
+    linear = next(
+        layer.linear_attn for layer in policy.hf.model.language_model.layers if hasattr(layer, "linear_attn")
+    )
+    # a prompt of 30 with its first response (20), then responses of 15 and 10 restarting at 30
+    positions = torch.cat([torch.arange(50), torch.arange(30, 45), torch.arange(30, 40)])[None]
+    T, H, Hkv, D = positions.shape[1], 4, 2, 16
+    module = SimpleNamespace(num_key_value_groups=H // Hkv, is_causal=True, training=False)
+    q, k, v = (torch.randn(1, h, T, D) for h in (H, Hkv, Hkv))
+    hidden = torch.randn(1, T, policy.config.text_config.hidden_size)
+    waits = []
+    for _ in range(3):  # three layers of one forward: transformers hands each the same positions tensor
+        with _HostWaits() as mode, torch.no_grad():
+            flex_shared_forward(module, q, k, v, None, position_ids=positions, scaling=D**-0.5)
+            linear.__dict__["_packed_positions"] = positions  # what its decoder layer's pre-hook leaves
+            linear(hidden)
+        waits.append(mode.calls)
+    assert waits[0] and waits[1:] == [[], []], waits
