@@ -258,11 +258,13 @@ def test_update_replays_old_routes_and_adds_the_aux_loss(near_tie_policy):
     assert metrics["actor/router_aux_loss"] > 0
 
 
-@pytest.mark.parametrize("mode", ["none", "old"])
-def test_activation_checkpointing_recomputes_the_same_experts(near_tie_policy, mode):
+@pytest.mark.parametrize("mode,aux", [("none", 0.0), ("old", 0.0), ("old", 0.01)])
+def test_activation_checkpointing_recomputes_the_same_experts(near_tie_policy, mode, aux):
     """The backward's recomputation of a checkpointed layer uses the experts of its first run (its routes
     are recorded once per forward), so the gradients equal those without checkpointing, and it is not
-    counted again in the load metrics."""
+    counted again in the load metrics. With the load-balancing loss in the loss, the recomputation saves
+    the same tensors as the first run (checkpointing refuses a different count: `CheckpointError`) and
+    the loss counts each layer once."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     samples = _samples()
@@ -272,13 +274,18 @@ def test_activation_checkpointing_recomputes_the_same_experts(near_tie_policy, m
     for wrap in (True, False):
         experts_module._grouped_mm_runs.cache_clear()  # the kernel probe inside a checkpointed layer
         model = copy.deepcopy(near_tie_policy)
-        model.moe = install_moe(model.hf)
+        model.moe = install_moe(model.hf, aux_loss_coef=aux)
         if wrap:
             layers = model.hf.model.language_model.layers
             for i, layer in enumerate(layers):
                 layers[i] = checkpoint_wrapper(layer)
         model.train()
-        model(collate_for(model, samples, spec, for_update=True))[0].sum().backward()
+        loss = model(collate_for(model, samples, spec, for_update=True))[0].sum()
+        if aux:
+            assert len(model.moe.aux_terms) == 2  # one per MoE layer
+            loss = loss + aux * model.moe.aux_loss_value()
+        loss.backward()
+        assert len(model.moe.aux_terms) == (2 if aux else 0)  # the recomputation added none
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         assert model.moe.take_metrics()["load"].sum().item() == tokens * 2 * 2  # x layers x top-k
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})

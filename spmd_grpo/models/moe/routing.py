@@ -27,7 +27,9 @@ Every forward also
 
 Activation checkpointing runs a layer's forward again in the backward: each layer records and counts only
 once per forward of the model (`Routes.seen`), and the recomputation replays the routes the first
-run used (the recorded ones when nothing was given), so both runs compute the same sub-network.
+run used (the recorded ones when nothing was given), so both runs compute the same sub-network; it also
+computes the load-balancing terms again without keeping them, since checkpointing needs the recomputation
+to save the same tensors for the backward as the first run did.
 """
 
 from __future__ import annotations
@@ -150,23 +152,29 @@ def routed_forward(router: nn.Module, hidden_states: torch.Tensor):
     routes, layer = state.routes, router.moe_layer
     if routes is None or routes.valid.numel() != own.shape[0]:  # a forward nobody set up: plain top-k
         chosen = own
-    elif layer in routes.seen:  # the recomputation of activation checkpointing: the first run's routes
-        chosen = routes.recorded[:, layer].long()
     else:
-        _first_run(router, routes, own)
-        chosen = routes_used(routes, layer, own)
+        recomputed = layer in routes.seen  # activation checkpointing's recomputation: the first run's routes
+        if not recomputed:
+            _first_run(router, routes, own)
+        chosen = routes.recorded[:, layer].long() if recomputed else routes_used(routes, layer, own)
         if state.aux_loss_coef > 0 and torch.is_grad_enabled():
-            _aux_terms(state, routes.copies, probs, chosen)
+            # The recomputation computes the terms again, unused: checkpointing restores the tensors the
+            # first run saved for the backward by recomputing the same operations in the same order.
+            terms = _aux_terms(state.num_experts, routes.copies, probs, chosen)
+            if not recomputed:
+                state.aux_terms.append(terms)
     weights = probs.gather(1, chosen)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(logits.dtype), chosen
 
 
-def _aux_terms(state: MoEState, copies: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+def _aux_terms(num_experts: int, copies: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> tuple:
+    """One layer's load-balancing terms (`MoEState.aux_loss_value`): slots per expert, summed router
+    probabilities per expert, tokens; each token weighed by the sequences it stands for."""
     mask = copies.to(probs.dtype)
-    counts = torch.zeros(state.num_experts, dtype=probs.dtype, device=probs.device)
+    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(chosen.shape[1]))
-    state.aux_terms.append((counts, (probs * mask[:, None]).sum(0), mask.sum()))
+    return counts, (probs * mask[:, None]).sum(0), mask.sum()
 
 
 def use_routing(router: nn.Module, state: MoEState, layer: int) -> None:
