@@ -64,7 +64,7 @@ def _logprobs(
             samples, spec, for_update=False, padded=not uses_packing(model), shared=shared
         ):
             chunk = [samples[i] for i in rows] or samples[:1]
-            batch = collate_for(model, chunk, spec, for_update=False, route_pass=route_pass)
+            batch = collate_for(model, chunk, spec, for_update=False, route_pass=route_pass, padding=not rows)
             lp, _ = model(batch, temperature=spec.temperature)
             for j, i in enumerate(rows):
                 out[i] = lp[j, : len(samples[i].response_ids)].float().cpu()

@@ -114,13 +114,20 @@ def uses_packing(model: nn.Module) -> bool:
 
 
 def collate_for(
-    model: nn.Module, samples: list[Sample], spec: UpdateSpec, *, for_update: bool, route_pass: str = "update"
+    model: nn.Module,
+    samples: list[Sample],
+    spec: UpdateSpec,
+    *,
+    for_update: bool,
+    route_pass: str = "update",
+    padding: bool = False,
 ) -> SequenceBatch:
     """`samples` in the layout `model` was built for (packed when its attention has a varlen path), marked
     with whether the pass's forwards run the vision tower (`UpdateSpec.tower_in_forward`) and on video
     input (`UpdateSpec.videos`: in a run that allows videos, every forward does); each prompt held once
     where the model was built for shared prompts (`uses_shared_prompt`); for an MoE model, with the routes
-    `route_pass` (old, ref, update) compares with or replays (actor/routes.py)."""
+    `route_pass` (old, ref, update) compares with or replays (actor/routes.py). `padding`: a zero-weight
+    micro-batch (`micro_batches`' empty parts), whose routing the MoE counts leave out."""
     device = model.compute_device
     flags = {
         "tower_in_forward": spec.tower_in_forward(for_update=for_update),
@@ -129,6 +136,7 @@ def collate_for(
         "by_routes": replays_routes(spec),
     }
     batch = collate_samples(samples, spec.pad_token_id, device, packed=uses_packing(model), **flags)
+    batch.route_counted = not padding
     moe = getattr(model, "moe", None)
     if moe is not None:
         attach_routes(batch, samples, moe, mode=spec.routing_replay, route_pass=route_pass)

@@ -161,7 +161,7 @@ def _micro_batch_loss(
     `aux_weight`: this micro-batch's share of the rank's router aux loss (MoE, see `_router_aux_loss`).
     """
     device = policy.compute_device
-    batch = collate_for(policy, samples, spec, for_update=True)
+    batch = collate_for(policy, samples, spec, for_update=True, padding=padding)
     logprobs, entropy = policy(batch, temperature=spec.temperature, with_entropy=True)
     if not padding:
         _count_shared_prompt_tokens(batch, sums)

@@ -206,7 +206,7 @@ def meta_hf_model(
 
 def check_lora_targets(model_path: str, cfg: LoRAConfig, *, trust_remote_code: bool = False) -> None:
     """`target_module_names` on the meta-device model of `model_path`'s config, before any process group:
-    a target that matches no layer, or a rank wider than an adapted layer (`check_lora_rank`), fails in one
+    a target that matches no layer, or a rank wider than every adapted layer (`check_lora_rank`), fails in one
     line at start-up rather than after the process groups form.
     A hub id not yet in the local cache is checked when the model is built, after its download."""
     path = Path(model_path).expanduser()
@@ -225,18 +225,21 @@ def check_lora_targets(model_path: str, cfg: LoRAConfig, *, trust_remote_code: b
 
 
 def check_lora_rank(hf_model: nn.Module, targets: list[str], rank: int) -> None:
-    """The rank must not exceed the narrower side of any adapted layer: B A of a [out, in] layer has rank
-    at most min(in, out), so a wider adapter only adds parameters and Adam state (a rank of millions failed
-    in the allocator once the model was built)."""
+    """The rank must not exceed the narrower side of every adapted layer: B A of a [out, in] layer has rank
+    at most min(in, out), so a rank wider than all of them only adds parameters and Adam state (a rank of
+    millions failed in the allocator once the model was built). A layer narrower than the rank is allowed:
+    its adapter costs rank x (in + out) like any other layer's, and the default targets hold such layers
+    (Qwen3.5-MoE's shared-expert gate, hidden -> 1, in every layer; Qwen3.5's linear-attention `in_proj_a`
+    / `in_proj_b`, hidden -> value heads), which a per-layer bound refused at any rank above 1."""
     layers = dict(hf_model.named_modules())
-    name = min(targets, key=lambda n: min(layers[n].in_features, layers[n].out_features))
+    name = max(targets, key=lambda n: min(layers[n].in_features, layers[n].out_features))
     layer = layers[name]
     width = min(layer.in_features, layer.out_features)
     if rank > width:
         raise ValueError(
-            f"worker.actor.model.lora.rank ({rank}) is wider than the adapted layer {name} ({layer.in_features} "
-            f"-> {layer.out_features} features): an adapter's rank is at most {width} there; lower the rank, "
-            "or leave that layer out (worker.actor.model.lora.target_modules / exclude_modules)"
+            f"worker.actor.model.lora.rank ({rank}) is wider than every adapted layer, the widest being {name} "
+            f"({layer.in_features} -> {layer.out_features} features): an adapter's rank is at most {width} "
+            "there; lower the rank"
         )
 
 

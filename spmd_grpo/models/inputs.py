@@ -61,6 +61,10 @@ class SequenceBatch:
     replay_routes: bool = False
     route_pass: str = "update"
     """The pass this forward belongs to (old, ref, update): names its `moe/route_diff/<pass>` counts."""
+    route_counted: bool = True
+    """False for a padding micro-batch (a rank with fewer micro-batches than the others runs one of its
+    samples with zero weight to keep FSDP's calls aligned): its tokens stand for no sequence, so they add
+    nothing to the MoE load, route-difference and load-balancing counts."""
     shares_prompt: torch.Tensor | None = None
     """[B] bool, packed only: the sequence's prompt is the previous sequence's and is held in the row once,
     before the group's first response (its images and videos too); None: every prompt is in the row."""
@@ -77,6 +81,7 @@ class SequenceBatch:
             "video_in_forward",
             "replay_routes",
             "route_pass",
+            "route_counted",
             "shares_prompt",
         )
         fields = {f: move(getattr(self, f)) for f in self.__dataclass_fields__ if f not in kept}

@@ -201,12 +201,11 @@ class PolicyModule(nn.Module):
         valid = batch.input_ids.new_ones(batch.input_ids.numel(), dtype=torch.bool)
         if batch.attention_mask is not None:
             valid = batch.attention_mask.reshape(-1).bool()
+        copies = batch.token_copies() if batch.packed else None
+        if not batch.route_counted:  # a padding micro-batch: its tokens stand for no sequence
+            copies = torch.zeros(valid.numel(), dtype=torch.float64, device=valid.device)
         self.moe.begin(
-            valid,
-            batch.routes,
-            replay=batch.replay_routes,
-            pass_name=batch.route_pass,
-            copies=batch.token_copies() if batch.packed else None,
+            valid, batch.routes, replay=batch.replay_routes, pass_name=batch.route_pass, copies=copies
         )
 
     def _idle_tower(self, device: torch.device, encode) -> torch.Tensor:

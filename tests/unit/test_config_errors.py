@@ -82,6 +82,8 @@ def files(tmp_path_factory) -> Path:
         (root / name).mkdir()
         (root / name / "config.json").write_text(config)
         (root / name / "tokenizer.json").write_text("{}")
+    shutil.copytree(root / "model", root / "qwen3_5_moe_model")  # the stand-in's files, a Qwen3.5-MoE config
+    (root / "qwen3_5_moe_model" / "config.json").write_text('{"model_type": "qwen3_5_moe"}')
     (root / "moe_8_experts").mkdir()  # a checkpoint whose fused experts hold 8 where its config says 4
     (root / "moe_8_experts" / "config.json").write_text(
         '{"model_type": "qwen3_vl_moe", "text_config": {"norm_topk_prob": true, "num_experts": 4}}'
@@ -179,9 +181,9 @@ FILE_ROWS = [  # what must exist on the machine that trains (a `--dry-run` does 
         f"{A}model.lora.target_modules",
     ),
     ([f"{A}model.lora.rank=8", f"{A}model.lora.exclude_modules=[model]"], f"{A}model.lora"),
-    # a rank wider than an adapted layer (the narrowest here: the 8192 -> 1024 k_proj of the default config)
-    ([f"{A}model.lora.rank=1025"], f"{A}model.lora.rank (1025) is wider than the adapted layer"),
-    ([f"{A}model.lora.rank=100000000"], "k_proj (8192 -> 1024 features)"),
+    # a rank wider than every adapted layer (the widest here: the 8192 -> 8192 q_proj of the default config)
+    ([f"{A}model.lora.rank=8193"], f"{A}model.lora.rank (8193) is wider than every adapted layer"),
+    ([f"{A}model.lora.rank=100000000"], "q_proj (8192 -> 8192 features)"),
     (["data.val_files=./val_missing"], "data.val_files"),
     # columns (the loader found them after the process group formed, a wrong type after reading every row)
     (
@@ -493,8 +495,12 @@ def test_the_base_config_reaches_the_trainer(cli, files):
         train.main(
             [str(files / "base.yaml"), f"{A}model.lora.rank=8", f"{A}model.lora.target_modules=[q_proj]"]
         )
-    with pytest.raises(ReachedTrainer):  # a rank as wide as the narrowest adapted layer
-        train.main([str(files / "base.yaml"), f"{A}model.lora.rank=1024"])
+    with pytest.raises(ReachedTrainer):  # the default targets of Qwen3.5-MoE hold its shared-expert gate,
+        # hidden -> 1, in every layer: any rank above 1 is wider than it
+        train.main([str(files / "base.yaml"), f"{A}model.model_path={files / 'qwen3_5_moe_model'}",
+                    "worker.rollout.dtype=bfloat16", f"{A}model.lora.rank=8"])  # fmt: skip
+    with pytest.raises(ReachedTrainer):  # a rank wider than some adapted layers (k_proj: 1024), not all
+        train.main([str(files / "base.yaml"), f"{A}model.lora.rank=8192"])
 
 
 @pytest.mark.parametrize("overrides, key", BAD, ids=[" ".join(o) for o, _ in BAD])

@@ -202,6 +202,44 @@ def test_load_and_route_diff_metrics():
     assert moe_metrics([None], twice) == {}  # a dense model: no metrics, no collective
 
 
+def test_padding_micro_batches_count_no_routes(near_tie_policy, monkeypatch):
+    """A rank with fewer token-budget micro-batches than the agreed count runs zero-weight ones on one of
+    its samples (forced here as if another rank needed 3 more): they keep FSDP's calls aligned but hold
+    no data, so the old pass's and the update's load and route-difference counts, and the load-balancing
+    loss, are those of the same samples without them."""
+    import dataclasses
+
+    import spmd_grpo.actor.micro_batches as micro_batches_module
+    from spmd_grpo.actor.logprob_pass import compute_logprobs
+    from spmd_grpo.actor.update import mini_batch_backward
+    from tests.conftest import ONE_CPU_RANK
+
+    near_tie_policy.moe.aux_loss_coef = 0.01
+    samples = _samples(2)
+    for s in samples:
+        s.advantage = 1.0
+
+    def counts(spec):
+        for s in samples:
+            s.routes = None
+        for s, lp in zip(samples, compute_logprobs(near_tie_policy, samples, spec), strict=True):
+            s.old_logprobs = lp
+        sums = mini_batch_backward(near_tie_policy, samples, spec, ONE_CPU_RANK)
+        return near_tie_policy.moe.take_metrics(), sums
+
+    fixed = dataclasses.replace(_spec("none", experience_micro_batch=1), micro_batch_size=1)
+    expected, expected_sums = counts(fixed)
+    monkeypatch.setattr(micro_batches_module, "all_reduce_max", lambda t: t + 3)
+    budget = dict(max_token_len_for_update=1, max_token_len_for_experience=1)  # one sample per part
+    got, sums = counts(dataclasses.replace(fixed, dynamic_batching=True, **budget))
+    assert sums["train/num_micro_batches"][0] == 5 and expected_sums["train/num_micro_batches"][0] == 2
+    assert got.keys() == expected.keys() >= {"load", "diff/update"}
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), (name, got[name], expected[name])
+    aux, expected_aux = sums["actor/router_aux_loss"][0], expected_sums["actor/router_aux_loss"][0]
+    assert aux == pytest.approx(expected_aux, rel=1e-6)
+
+
 def test_router_aux_loss_equals_transformers(monkeypatch):
     """The routers' load-balancing terms give transformers' `aux_loss` for the same padded batch."""
     model = tiny_moe_model("qwen3_vl_moe")

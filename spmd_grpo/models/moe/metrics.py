@@ -8,7 +8,8 @@
                                  differ from the sample's reference routes in that pass (old: trainer vs
                                  vLLM with routing_replay=rollout; ref, update: vs the old pass's or vLLM's)
 
-Load counts cover every trainer pass of the step (old, reference, update), valid tokens only.
+Load counts cover every trainer pass of the step (old, reference, update), valid tokens only; a padding
+micro-batch (a rank with fewer micro-batches than the others) counts nothing.
 """
 
 from __future__ import annotations
