@@ -114,6 +114,9 @@ FIRST_STEP_CASES = {
     # LoRA's reference pass (adapters disabled) was the policy's first forward; FSDP's per-micro-batch
     # reduction then handed bf16 adapter gradients to their fp32 shards.
     "lora-reference-pass-first": (4, False, False, True, True),
+    # Text-only step, frozen tower with reused features: the tower never ran, and holding its (absent)
+    # gradient back between micro-batches failed inside FSDP.
+    "frozen-tower-never-gathered": (0, True, "auto", False, False),
 }
 
 
