@@ -45,6 +45,12 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "reshard") and hasattr(m, "set_reshard_after_forward")]
 
 
+def _trains(unit: nn.Module) -> bool:
+    """Whether one of the parameters `unit` shards itself (not those of the units inside it) requires grad."""
+    inner = {id(p) for m in _fsdp_units(unit) if m is not unit for p in m.parameters()}
+    return any(p.requires_grad and id(p) not in inner for p in unit.parameters())
+
+
 @contextmanager
 def gathered_for_pass(model: nn.Module) -> Iterator[None]:
     """A forward-only pass over several micro-batches: on the CPU, gather each unit once (at its first
@@ -67,7 +73,11 @@ def accumulate_unsharded(model: nn.Module, *, first: bool, last: bool) -> None:
     unsharded gradient only after the last one. Call `end_accumulation` after the mini-batch."""
     if first:
         model.set_reshard_after_forward(False)
-    model.set_requires_gradient_sync(last)
+    for unit in _fsdp_units(model):
+        # Only units that train hold a gradient back. FSDP2 (torch 2.13) fails a held-back backward
+        # ("'FSDPParam' object has no attribute '_unsharded_param'") in every unit that has never been
+        # gathered, such as a frozen vision tower whose features are reused on a step without images.
+        unit.set_requires_gradient_sync(last or not _trains(unit), recurse=False)
     model.set_reshard_after_backward(last)
 
 

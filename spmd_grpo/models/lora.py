@@ -146,15 +146,28 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Run `model` as its base (the KL reference): every LoRA layer skips its adapter inside the block."""
+    """Run `model` as its base (the KL reference): every LoRA layer skips its adapter inside the block.
+
+    The parameters keep their `requires_grad`: PEFT's `enable_adapters(False)` also clears the adapters'
+    flags, and FSDP2 fixes each unit's gradient dtypes at the model's first forward from the parameters
+    requiring grad then. When that first forward was the reference pass (no old-logprob pass before it:
+    the update takes the old logprobs from its own forward), the bf16-gathered adapters' gradients were
+    later handed uncast to their fp32 shards and the first backward failed ("attempting to assign a
+    gradient with dtype BFloat16 to a tensor with grad_dtype Float"). The block is for forward-only passes:
+    a disabled adapter takes no part in the output whatever its flag."""
     layers = [layer for _, layer in lora_layers(model)]
+    flags = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]
     for layer in layers:
         layer.enable_adapters(False)
+    for p, flag in flags:
+        p.requires_grad_(flag)
     try:
         yield
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def merge_sources(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:

@@ -1,5 +1,6 @@
 """Trainer-side logprobs: chunked vocabulary projection equals the plain full log-softmax; masks and mrope."""
 
+import pytest
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -105,3 +106,68 @@ def test_micro_batches_go_to_the_compute_device_not_the_parameters_device():
     )
     batch = collate_for(policy, samples, spec, for_update=True)
     assert batch.input_ids.device.type == "meta" and batch.response_mask.device.type == "meta"
+
+
+# (LoRA rank, freeze_vision_tower, gather_once_per_pass, old logprobs from the update, KL): bf16 FSDP2 set-ups
+# whose first step failed in its first backward while each feature passed alone.
+FIRST_STEP_CASES = {
+    # LoRA's reference pass (adapters disabled) was the policy's first forward; FSDP's per-micro-batch
+    # reduction then handed bf16 adapter gradients to their fp32 shards.
+    "lora-reference-pass-first": (4, False, False, True, True),
+    # Text-only step, frozen tower with reused features: the tower never ran, and holding its (absent)
+    # gradient back between micro-batches failed inside FSDP.
+    "frozen-tower-never-gathered": (0, True, "auto", False, False),
+}
+
+
+@pytest.mark.parametrize("case", list(FIRST_STEP_CASES))
+def test_the_first_step_of_a_bf16_sharded_policy_runs_its_passes_in_the_trainers_order(case):
+    """The trainer's calls on a policy built and sharded as the trainer builds it (a world of one,
+    in-process, fsdp.param_dtype bf16): image features, old logprobs unless the update takes them,
+    reference logprobs with the KL term, then one update of two micro-batches of text-only samples."""
+    import torch.distributed as dist
+
+    from spmd_grpo.actor.image_features import encode_images
+    from spmd_grpo.actor.logprob_pass import compute_logprobs, compute_ref_logprobs
+    from spmd_grpo.actor.optimizer import build_optimizer
+    from spmd_grpo.actor.spec import UpdateSpec
+    from spmd_grpo.actor.update import update_policy
+    from spmd_grpo.config.workers import ActorConfig, FSDPConfig, LoRAConfig, ModelConfig, OptimConfig
+    from spmd_grpo.data.samples import Prompt, Sample
+    from spmd_grpo.models.build import build_policy
+    from tests.conftest import ONE_CPU_RANK
+
+    rank, freeze, gather, old_from_update, kl = FIRST_STEP_CASES[case]
+    model = ModelConfig(model_path=str(tiny_model()), freeze_vision_tower=freeze, lora=LoRAConfig(rank=rank))
+    actor = ActorConfig(
+        model=model,
+        fsdp=FSDPConfig(param_dtype="bfloat16", gather_once_per_pass=gather),
+        optim=OptimConfig(lr=1e-2),
+    )
+    spec = UpdateSpec(
+        temperature=1.0, pad_token_id=0, max_response_length=4, mini_batch_size=2, micro_batch_size=1,
+        experience_micro_batch_size=1, use_kl_loss=kl, kl_coef=0.1, old_logprobs_from_update=old_from_update,
+        image_features="per_step" if freeze else "in_forward",
+    )  # fmt: skip
+    samples = [Sample(Prompt(i, []), 0, [5, 6, 7 + i], [8, 9, 10 + i], []) for i in range(2)]
+    for s, advantage in zip(samples, (1.0, -1.0), strict=True):
+        s.advantage = advantage
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = build_policy(actor, ONE_CPU_RANK)
+        optim = build_optimizer(policy, actor.optim, total_steps=1)
+        trained = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+        encode_images(policy, samples, spec)
+        if not spec.old_logprobs_in_update(len(samples)):
+            for s, lp in zip(samples, compute_logprobs(policy, samples, spec), strict=True):
+                s.old_logprobs = lp
+        if kl:
+            for s, lp in zip(samples, compute_ref_logprobs(None, policy, samples, spec), strict=True):
+                s.ref_logprobs = lp
+        metrics = update_policy(policy, optim, samples, spec, ONE_CPU_RANK)
+        moved = [n for n, p in policy.named_parameters() if n in trained and not torch.equal(p, trained[n])]
+    finally:
+        dist.destroy_process_group()
+    assert torch.isfinite(torch.tensor(metrics["actor/grad_norm"])) and metrics["actor/grad_norm"] > 0
+    assert metrics["train/num_micro_batches_max"] == 2
+    assert moved and (not rank or any("lora_B" in n for n in moved)), moved
