@@ -36,7 +36,9 @@ CASES = [  # (P, n, R, query heads, key/value heads, head dim)
 ]
 
 
-def case(P: int, n: int, R: int, H: int, Hkv: int, D: int) -> str:
+def measure(P: int, n: int, R: int, H: int, Hkv: int, D: int) -> tuple[int, dict, dict]:
+    """(tokens, {kernel: (seconds, peak MiB)} of its last of 4 runs, {kernel: (output, dq, dk)}) for the shared
+    row of one group (prompt P, n responses of R, R - 8, ...) and one attention layer (H / Hkv heads of D)."""
     text = [torch.arange(P + R)] + [torch.arange(P, P + R - 8 * i) for i in range(1, n)]
     positions = torch.cat(text)[None].cuda()
     T = positions.shape[1]
@@ -48,7 +50,7 @@ def case(P: int, n: int, R: int, H: int, Hkv: int, D: int) -> str:
     )
     results, outputs = {}, {}
     for name, fn in (("gathered_sdpa", varlen_sdpa_forward), ("flex", flex_shared_forward)):
-        for _ in range(4):
+        for _ in range(4):  # the first runs compile
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
@@ -58,6 +60,12 @@ def case(P: int, n: int, R: int, H: int, Hkv: int, D: int) -> str:
             results[name] = (time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**20)
             outputs[name] = (out.detach().float(), q.grad.float(), k.grad.float())
             q.grad = k.grad = v.grad = None
+    return T, results, outputs
+
+
+def case(P: int, n: int, R: int, H: int, Hkv: int, D: int) -> str:
+    """One table row of `measure`."""
+    T, results, outputs = measure(P, n, R, H, Hkv, D)
     diff = [
         ((a - b).norm() / a.norm()).item()
         for a, b in zip(outputs["gathered_sdpa"], outputs["flex"], strict=True)

@@ -19,9 +19,7 @@ passed on a GPU (models/build.py `shared_prompt_setup`); what has run: docs/mode
 from __future__ import annotations
 
 import inspect
-import time
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -179,29 +177,9 @@ def test_hybrid_shared_prompt_equals_unshared_on_cuda():
 
 
 def test_flex_is_faster_than_gathered_sdpa_on_a_geometry3k_group():
-    from spmd_grpo.models.attention import varlen_sdpa_forward
-    from spmd_grpo.models.shared_flex import flex_shared_forward
+    from benchmarks.shared_flex import measure
 
-    P, n, R, H, Hkv, D = 640, 8, 128, 16, 2, 128
-    # the shared row's text positions: prompt + first response, then responses restarting at P
-    text = [torch.arange(P + R)] + [torch.arange(P, P + R - 8 * i) for i in range(1, n)]
-    positions = torch.cat(text)[None].cuda()
-    T = positions.shape[1]
-    module = SimpleNamespace(num_key_value_groups=H // Hkv, is_causal=True, training=False)
-    make = lambda h: torch.randn(1, h, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
-    q, k, v = make(H), make(Hkv), make(Hkv)
-    results, outputs = {}, {}
-    for name, fn in (("gathered_sdpa", varlen_sdpa_forward), ("flex", flex_shared_forward)):
-        for _ in range(4):  # the first runs compile
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            out = fn(module, q, k, v, None, position_ids=positions, scaling=D**-0.5, dropout=0.0)[0]
-            out.float().pow(2).sum().backward()
-            torch.cuda.synchronize()
-            results[name] = (time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**20)
-            outputs[name] = (out.detach().float(), q.grad.float())
-            q.grad = k.grad = v.grad = None
+    T, results, outputs = measure(P=640, n=8, R=128, H=16, Hkv=2, D=128)
     print({k: f"{t * 1e3:.2f} ms, peak {m:.0f} MiB" for k, (t, m) in results.items()}, f"T={T}")
     for a, b in zip(outputs["gathered_sdpa"], outputs["flex"], strict=True):  # bf16 rounding apart
         assert (a - b).norm() <= 2e-2 * a.norm()
