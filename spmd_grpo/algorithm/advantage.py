@@ -29,8 +29,10 @@ Deviations from the papers and from verl:
   For float32 scores this is the same as std == 0 (see above). verl uses `np.std(...) > 0` in DAPO.
 - Batch std: std is the unbiased std of the raw scores over the whole global batch (TRL `scale_rewards=
   "batch"`), the numerator is still s - group mean with verl's group-of-one convention (mean 0), and eps is
-  1e-6 (TRL uses 1e-4). A global batch of one sample uses std 1. REINFORCE++-baseline instead whitens the
-  centred advantages over the batch's tokens; that is not what this computes.
+  1e-6 (TRL uses 1e-4). A global batch of one sample, or of all-equal scores ("zero spread" as above), uses
+  std 1: TRL's groups of one have advantage 0, ours keep the numerator s, which std 0 would turn into
+  s / eps. REINFORCE++-baseline instead whitens the centred advantages over the batch's tokens; that is not
+  what this computes.
 - Scores are per sample (the caller sums token-level rewards); `group_index` is a global integer in [0, G)
   rather than verl's uid strings, so that per-group sums can be all-reduced as dense tensors.
 
@@ -150,16 +152,19 @@ def compute_batch_std_advantages(
     The batch std is the unbiased std of the raw scores over every sample on every rank. It is derived from
     the per-group moments (Chan et al.'s parallel-variance formula), so no extra collective is needed:
     sum (s - m_batch)^2 = sum_g [M2_g + n_g (m_g - m_batch)^2]. A group of one keeps verl's mean 0; a global
-    batch of one sample uses std 1. Metrics: `adv/zero_std_group_frac`, `adv/batch_std`.
+    batch of one sample, or one whose scores are all equal, uses std 1 (then a group of one gets s / (1 + eps),
+    as under GRPO, instead of s / eps, and every other advantage is 0). Metrics: `adv/zero_std_group_frac`,
+    `adv/batch_std` (the std divided by).
     """
     _check_inputs(scores, group_index, num_groups)
     count, mean, sq_dev_sum = _group_moments(scores, group_index, num_groups, all_reduce_sum)
     num_samples = count.sum()
     batch_mean = (count * mean).sum() / num_samples.clamp(min=1)
     batch_sq_dev_sum = (sq_dev_sum + count * (mean - batch_mean) ** 2).sum()
-    if num_samples > 1:
+    population_std = torch.sqrt(batch_sq_dev_sum / num_samples.clamp(min=1))
+    if num_samples > 1 and population_std > _ZERO_SPREAD_RTOL * batch_mean.abs():
         batch_std = torch.sqrt(batch_sq_dev_sum / (num_samples - 1))
-    else:
+    else:  # no spread: only groups of one have a non-zero numerator (s), which must not be divided by eps
         batch_std = torch.ones_like(batch_sq_dev_sum)
 
     group_mean = torch.where(count == 1, torch.zeros_like(mean), mean)

@@ -204,3 +204,15 @@ def test_logged_advantage_mean_is_over_response_tokens_as_verl():
     assert m["critic/advantages/mean"] == pytest.approx(0.5)
     assert (m["critic/advantages/max"], m["critic/advantages/min"]) == (1.0, -1.0)
     assert m["critic/score/mean"] == pytest.approx(0.0)  # scores stay per sample, as verl's
+
+
+def test_batch_std_of_equal_scores_uses_one_for_groups_of_one():
+    # rollout.n = 1 (every group of one) and every score 0.1: the batch std is 0. Groups of one keep the
+    # numerator s (mean 0), so dividing by 0 + eps gave A = 0.1 / 1e-6 = 1e5; std 1 gives GRPO's s / (1 + eps).
+    # Group 2 ([0.1, 0.1]) is flat and stays at 0.
+    scores = torch.tensor([0.1, 0.1, 0.1, 0.1])
+    group_index = torch.tensor([0, 1, 2, 2])
+    adv, metrics = compute_batch_std_advantages(scores, group_index, 3)
+    grpo, _ = compute_grpo_advantages(scores[:2], group_index[:2], 2)
+    torch.testing.assert_close(adv, torch.cat([grpo, torch.zeros(2)]), rtol=0, atol=1e-7)
+    assert metrics["adv/batch_std"] == 1.0
