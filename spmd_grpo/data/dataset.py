@@ -53,7 +53,8 @@ file's rows skipped is an error naming the file):
     most vLLM accepts per prompt; it would fail the whole generate call): skipped, not truncated.
   * images: every PIL mode becomes RGB (`_to_rgb`: transparency on white, 16-bit grey scaled, float grey read
     as 0..1 or 0..255); any size smart_resize accepts (a 1x1 image is scaled up to min_pixels); an aspect ratio
-    above 200 or too thin for max_pixels (3x500 under 16 tokens: a side would be 0 pixels), more pixels than
+    above 200, too thin for max_pixels (3x500 under 16 tokens: a side would be 0 pixels) or with no size in
+    [min_pixels, max_pixels] at its aspect ratio (the processor would resize it again), more pixels than
     PIL's decompression-bomb limit (refused from the header, before decoding), or data that cannot be decoded
     or is truncated: skipped. An image or video cell that is not a list of entries (a number column under
     data.image_key or data.video_key): skipped.

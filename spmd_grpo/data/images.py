@@ -122,13 +122,16 @@ def resized_size(image: Image.Image, cfg: DataConfig, factor: int) -> tuple[int,
         )
     except ValueError as e:  # extreme aspect ratio
         raise BadRow("image cannot be resized", str(e)) from e
-    if min(width, height) < factor or width * height > cfg.max_pixels:
+    if min(width, height) < factor or not cfg.min_pixels <= width * height <= cfg.max_pixels:
         # A thin image under a small max_pixels: smart_resize floors one side to 0 (PIL's resize then fails
-        # in the middle of training), and the processor's own rule would exceed max_pixels.
+        # in the middle of training), and the processor's own rule would exceed max_pixels. Bounds close
+        # together: flooring under max_pixels can also land below min_pixels (112x56 at factor 32 in
+        # [3136, 6272] -> 96x32), and the processor would scale that up again, to more tokens than load
+        # counted and past max_pixels.
         raise BadRow(
             "image cannot be resized",
-            f"{image.width}x{image.height} has no {factor}-multiple size within "
-            f"data.max_pixels={cfg.max_pixels} at its aspect ratio",
+            f"{image.width}x{image.height} has no {factor}-multiple size within data.min_pixels="
+            f"{cfg.min_pixels}, data.max_pixels={cfg.max_pixels} at its aspect ratio",
         )
     return width, height
 

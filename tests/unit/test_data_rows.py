@@ -301,7 +301,7 @@ def test_image_sizes(tmp_path, processor, caplog):
     assert [e.problem.removeprefix("<image>") for e in examples] == ["1x1", "1x27"]
     assert _skip_lines(caplog)[0] == (
         f"skipped {path} row 2: image cannot be resized (3x500 has no 28-multiple size within "
-        "data.max_pixels=12544 at its aspect ratio)"
+        "data.min_pixels=3136, data.max_pixels=12544 at its aspect ratio)"
     )
     _assert_processor_agrees(examples, _processor_for(processor, small))
 

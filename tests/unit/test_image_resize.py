@@ -9,7 +9,7 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessor
 
 from spmd_grpo.config.schema import DataConfig
-from spmd_grpo.data.images import resize_image
+from spmd_grpo.data.images import BadRow, resize_image
 from spmd_grpo.data.prompts import image_factor
 from spmd_grpo.models.families import FAMILIES
 
@@ -46,3 +46,18 @@ def test_a_qwen2_5_vl_size_is_resized_again_by_the_qwen3_vl_processor():
     cfg = DataConfig(min_pixels=3136, max_pixels=262144)
     resized = resize_image(Image.new("RGB", (57, 91)), cfg, 28)
     assert _processed_size(qwen3, resized) != resized.size
+
+
+def test_an_image_with_no_size_between_close_bounds_is_a_bad_row():
+    """Flooring under max_pixels may land below min_pixels (112x56 at Qwen3-VL's 32 in [3136, 6272] gives
+    96x32 = 3072): the processor would scale that up to 128x64, past max_pixels and to more tokens than load
+    counted. The row is refused at load instead."""
+    family = FAMILIES["qwen3_vl"]
+    processor = Qwen2VLImageProcessor(
+        min_pixels=3136, max_pixels=6272, patch_size=family.patch_size, merge_size=family.merge_size
+    )
+    assert _processed_size(processor, Image.new("RGB", (96, 32))) == (128, 64)
+    cfg = DataConfig(min_pixels=3136, max_pixels=6272)
+    with pytest.raises(BadRow, match="112x56 has no 32-multiple size within data.min_pixels=3136"):
+        resize_image(Image.new("RGB", (112, 56)), cfg, family.image_factor)
+    assert resize_image(Image.new("RGB", (112, 56)), cfg, 28).size == (112, 56)  # 28 fits these bounds
