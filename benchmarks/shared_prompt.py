@@ -99,13 +99,18 @@ def child(args: argparse.Namespace, model_dir: Path) -> dict:
     from spmd_grpo.models.build import build_policy, build_reference
     from spmd_grpo.models.families import family_of
     from spmd_grpo.parallel.collectives import init_distributed
+    from spmd_grpo.parallel.devices import max_memory_allocated_gb, synchronize
 
     dtype, shared = args.child.split(":")
     torch.set_num_threads(args.threads)
     cfg = load_config(REPO / "configs" / "smoke.yaml", overrides(args, model_dir, dtype, shared))
     world = init_distributed(args.device)
     cuda = world.device_type == "cuda"
-    clock = lambda: (torch.cuda.synchronize() if cuda else None, time.perf_counter())[1]  # noqa: E731
+
+    def clock() -> float:  # after the device's queued work
+        synchronize(world.device_type)
+        return time.perf_counter()
+
     torch.manual_seed(0)
     policy = build_policy(cfg.worker.actor, world)
     reference = build_reference(cfg.worker.actor, cfg.worker.ref, world)
@@ -140,7 +145,7 @@ def child(args: argparse.Namespace, model_dir: Path) -> dict:
         "image_tokens": int(samples[0].image_grid_thw.prod().item() // 4),
         "built_rss_gib": built_rss,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_gpu_gib": max_memory_allocated_gb(world.device_type) if cuda else None,
     }
 
 
