@@ -64,7 +64,8 @@ from spmd_grpo.rollout.generate import SamplingConfig, attach_pixel_values, atta
 from spmd_grpo.rollout.validation import VAL_SEED_OFFSET, validate
 from spmd_grpo.run.checkpoint import load_or_fall_back, save_checkpoint
 from spmd_grpo.run.lineage import abandon_branch, agree_on_start
-from spmd_grpo.run.start import StartPlan, plain_config, plan_start, write_run_config
+from spmd_grpo.run.saved_config import plain_config, write_run_config
+from spmd_grpo.run.start import StartPlan, plan_start
 from spmd_grpo.run.verify import verify_start
 from spmd_grpo.telemetry.loggers import Loggers, build_loggers, setup_logging
 from spmd_grpo.telemetry.metrics import Timer, perf_metrics, sample_metrics

@@ -168,7 +168,7 @@ def fake_checkpoint(
     dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
     torch.save({}, d / "scheduler.pt")
     if cfg is not None:
-        from spmd_grpo.config.loader import dump_yaml
+        from spmd_grpo.run.saved_config import dump_yaml
 
         dump_yaml(cfg, d / "config.yaml")
     if complete:

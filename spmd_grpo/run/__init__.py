@@ -2,7 +2,8 @@
 
     checkpoint.py  sharded DCP checkpoints with LR schedule, RNG and trainer state: save and load
     checkpoint_dirs.py  the checkpoint directories: complete, damaged, and the one a resume takes
-    start.py       `plan_start`: new run or resume, and which config changes a resume accepts
+    start.py       `plan_start`: new run or resume, and which checkpoint
+    saved_config.py  the run's `config.yaml`: written, read back, and which changes a resume accepts
     manifest.py    size and CRC-32 of every checkpoint file, written at save and verified before a resume
     verify.py      `verify_start`: the resumed checkpoint's checksums, a share per rank after the group forms
     lineage.py     a resume from an earlier checkpoint sets the later ones (an abandoned branch) aside

@@ -8,7 +8,7 @@ Layout of `<run_dir>/checkpoints/`:
         scheduler.pt                  LR scheduler state (rank 0)
         rng/rank{r}.pt                python `random`, numpy, torch CPU and accelerator RNG of rank r
         config.yaml                   the resolved config the run had when it saved (rank 0; what a resume
-                                      compares its config with: start.py)
+                                      compares its config with: saved_config.py)
         manifest.json                 size and CRC-32 of every file above (manifest.py), written before:
         trainer_state.json            the caller's trainer state + `step`, `world_size`, `model_path`
     latest                            name of the newest checkpoint directory (written atomically)

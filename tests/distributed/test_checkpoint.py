@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmd_grpo.config.loader import dump_yaml, load_config
+from spmd_grpo.config.loader import load_config
 from spmd_grpo.run.checkpoint_dirs import damaged_parts
 from spmd_grpo.run.manifest import file_entries, listed_files, shares, write_manifest
+from spmd_grpo.run.saved_config import dump_yaml
 from tests.conftest import CHECKPOINT_JOB, tiny_model, torchrun
 from tests.jobs.checkpoint_roundtrip import verify_overrides
 

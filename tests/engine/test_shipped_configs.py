@@ -278,7 +278,7 @@ def test_shipped_config_trains_two_steps(config: Path, trained):
 
 @pytest.mark.parametrize("config, twin", SAME_RUN_AS.items())
 def test_a_config_not_trained_here_resolves_to_its_twin(config: str, twin: str, tmp_path: Path):
-    from spmd_grpo.run.start import plain_config
+    from spmd_grpo.run.saved_config import plain_config
 
     def resolved(stem: str) -> dict:
         original = load_config(REPO / "configs" / f"{stem}.yaml")

@@ -14,17 +14,18 @@ from pathlib import Path
 import pytest
 
 from spmd_grpo.config.checks import ConfigError
-from spmd_grpo.config.loader import dump_yaml, last_wins, load_config
+from spmd_grpo.config.loader import last_wins, load_config
 from spmd_grpo.run.lineage import abandon_branch, agree_on_start
 from spmd_grpo.run.manifest import file_entries, shares, write_manifest
-from spmd_grpo.run.start import (
+from spmd_grpo.run.saved_config import (
     MEANING_CHANGING,
     ConfigChange,
     diff_configs,
+    dump_yaml,
     meaning_changes,
     plain_config,
-    plan_start,
 )
+from spmd_grpo.run.start import plan_start
 from spmd_grpo.run.verify import verified_plan
 from spmd_grpo.telemetry.loggers import JsonlLogger
 from spmd_grpo.train import main
@@ -82,7 +83,7 @@ def test_every_meaning_changing_key_exists():
 
 
 def plain_config_keys() -> list[str]:
-    from spmd_grpo.run.start import flatten
+    from spmd_grpo.run.saved_config import flatten
 
     return list(flatten(plain_config(load_config(None, BASE))))
 
