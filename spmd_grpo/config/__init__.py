@@ -1,7 +1,7 @@
 """Configuration: YAML and dotted command-line overrides -> frozen pydantic dataclasses, validated before any
-work (no process group, model or engine is needed). A field's type carries its range and its docstring is its
-documentation (`make docs` writes docs/configuration.md from them); a rule between fields of one section is in
-that section's `__post_init__`, a rule across sections in `validate`.
+work (no process group, model or engine is needed). A field's type carries its range, its description (the
+`Field`'s where it fits the line, else the docstring below it) its documentation: `make docs` writes them to
+docs/configuration.md. A rule between fields of one section is in its `__post_init__`, across them `validate`.
 
     schema.py     the top-level sections (`data`, `algorithm`, `trainer`) and the root `Config`
     workers.py    the `worker.*` sections (actor, rollout, ref, reward)

@@ -5,7 +5,6 @@ meets float32 tensors); a float key takes a numeric string (YAML 1.1 reads `1e-6
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -19,7 +18,7 @@ class ConfigError(ValueError):
 C_INT_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 SECTION = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
-"""Every section: unknown keys refused, immutable, floats finite, each field's docstring its description."""
+"""Every section: unknown keys refused, immutable, floats finite, a field's docstring its description."""
 
 
 def require(ok: bool, message: str) -> None:
@@ -37,15 +36,18 @@ def rule(test: Callable[[Any], bool], message: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _numeric_string(value: Any) -> Any:
+def _float(value: Any) -> Any:
     try:
-        return float(value) if isinstance(value, str) else value
+        value = float(value) if isinstance(value, str) else value
     except ValueError:
         return value  # pydantic names the type
+    finite_beyond_float32 = isinstance(value, int | float) and FLOAT32_MAX < abs(value) < float("inf")
+    require(not finite_beyond_float32, "is beyond float32")  # inf and nan: pydantic's "finite number"
+    return value
 
 
 Int = Annotated[int, Strict(), Field(ge=-C_INT_MAX - 1, le=C_INT_MAX)]
-Float = Annotated[float, Strict(), Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX), BeforeValidator(_numeric_string)]
+Float = Annotated[float, Strict(), BeforeValidator(_float)]
 Bool = Annotated[bool, Strict()]
 NonEmpty = Annotated[str, rule(lambda v: v.strip() != "", "must be a non-empty string")]
 Positive = Annotated[Int, Field(gt=0)]
@@ -55,8 +57,7 @@ OffOrPositive = Annotated[Int, rule(lambda v: v == -1 or v >= 1, "must be -1 (of
 PositiveFloat = Annotated[Float, Field(gt=0)]
 NonNegativeFloat = Annotated[Float, Field(ge=0)]
 Fraction = Annotated[Float, Field(ge=0, le=1)]
-TopK = Annotated[Int, Field(ge=-1)]
-"""-1 or 0: off (as vLLM)."""
+TopK = Annotated[Int, Field(ge=-1)]  # -1 or 0: off (as vLLM)
 TopP = Annotated[Float, Field(gt=0, le=1)]
 
 BUILTIN_REWARDS = ("math", "color")
@@ -65,5 +66,3 @@ BUILTIN_REWARD_KEYS = ("overall", "accuracy", "format")
 """The keys the built-in rewards return (what algorithm.filter_groups.metric may name with them)."""
 BUILTIN_DATASETS = ("color", "geo3k", "video_color")
 """The `builtin:<task>` data sets `spmd_grpo.data.synthetic` generates."""
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\[\]:%+-]+)?$")
-"""`owner/name`, for data sets optionally `@split`."""

@@ -1,17 +1,13 @@
 """`load_config`: YAML file + dotted command-line overrides -> the frozen `Config`, validated by pydantic.
-
-Here is what pydantic does not do: a key repeated in one YAML mapping or on the command line is refused; a
-mapping override merges into its section (as OmegaConf's), `null` for a section is refused in an override (it
-would reset the section) and means its defaults in the file; pydantic's errors become one line naming the
-dotted key, with the closest valid key for an unknown one and the replacement of a removed one.
-"""
+Here is what pydantic does not do: a key repeated in one YAML mapping or on the command line is refused, a
+mapping override merges into its section (as OmegaConf's), and pydantic's errors become one line naming the
+dotted key, with the closest valid key for an unknown one."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import io
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -21,29 +17,16 @@ from pydantic import TypeAdapter, ValidationError
 from spmd_grpo.config.checks import ConfigError
 from spmd_grpo.config.schema import Config
 
-MOVED = {
-    "algorithm.adv_std_scope": "its `batch` is now algorithm.norm_adv_by_std_in_grpo=batch",
-    "algorithm.adv_estimator=drgrpo": "Dr.GRPO is GRPO without the std division: set "
-    "algorithm.norm_adv_by_std_in_grpo=false (verl's key), with "
-    "worker.actor.loss_agg_mode=seq-mean-token-sum-norm for its loss",
-}
-"""Keys and values that were removed, with what replaces them."""
-
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """YAML file (may be None: defaults) plus `a.b.c=value` overrides -> Config. Raises ConfigError."""
     raw = _read_yaml(Path(path)) if path is not None else {}
-    _drop_empty_sections(raw, "")
     given: dict[str, str] = {}  # dotted key -> the override that set it
     for item in overrides:
         key, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        try:
-            parsed = yaml.load(value, Loader=_StrictLoader) if value else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {key}: value {value!r} is not valid YAML: {_one_line(e)}") from None
-        _override(raw, key, parsed, item, given)
+        _override(raw, key, _parse(value, f"command-line override {item!r}") if value else None, item, given)
     try:
         return TypeAdapter(Config).validate_python(raw)
     except ValidationError as e:
@@ -51,24 +34,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        what = "is a directory (give the path of a YAML file)" if path.is_dir() else "not found"
-        raise ConfigError(f"config file {path} {what}")
     try:
-        data = path.read_bytes()
-        stream = io.StringIO(data.decode("utf-8"))
-        stream.name = str(path)  # YAML's errors name the file
-        raw = yaml.load(stream, Loader=_StrictLoader) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} on line {line})") from None
-    except OSError as e:
-        raise ConfigError(f"config file {path} is not readable: {e.strerror}") from None
+        raw = _parse(path.read_text(encoding="utf-8"), str(path)) or {}
+    except (OSError, UnicodeError) as e:  # not found, a directory, not UTF-8 text
+        raise ConfigError(f"config file {path}: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     return raw
+
+
+def _parse(text: str, where: str) -> Any:
+    stream = io.StringIO(text)
+    stream.name = where  # YAML's errors and the duplicate-key refusal name it
+    try:
+        return yaml.load(stream, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {' '.join(str(e).split())}") from None
 
 
 def last_wins(overrides: list[str]) -> list[str]:
@@ -88,26 +69,12 @@ class _StrictLoader(yaml.SafeLoader):
                 continue
             key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
             if key in seen:
-                where = key_node.start_mark.name.replace("<unicode string>", "command-line override")
                 raise ConfigError(
-                    f"{where}: duplicate key {key!r} at line {line} "
+                    f"{key_node.start_mark.name}: duplicate key {key!r} at line {line} "
                     f"(first at line {seen[key]}); a key may appear once per section"
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
-
-
-def _one_line(error: yaml.YAMLError) -> str:
-    return " ".join(str(error).split())
-
-
-def _drop_empty_sections(raw: dict, prefix: str) -> None:
-    """A section left empty in the file (`trainer:` with its keys commented out) means its defaults."""
-    for key, value in list(raw.items()):
-        if value is None and dataclasses.is_dataclass(section_type(f"{prefix}{key}")):
-            del raw[key]
-        elif isinstance(value, dict):
-            _drop_empty_sections(value, f"{prefix}{key}.")
 
 
 def _override(raw: dict, dotted: str, value: Any, item: str, given: dict[str, str]) -> None:
@@ -123,11 +90,6 @@ def _override(raw: dict, dotted: str, value: Any, item: str, given: dict[str, st
         for k, v in value.items():
             _override(raw, f"{dotted}.{k}", v, item, given)
         return
-    if value is None and dataclasses.is_dataclass(section_type(dotted)):
-        raise ConfigError(
-            f"override {item!r}: {dotted} is a section: give it a mapping ({dotted}={{key: value}}) or set "
-            f"its keys one by one ({dotted}.key=value), not null (that would reset its keys to the defaults)"
-        )
     if dotted in given:
         raise ConfigError(
             f"command line: {dotted} is set twice ({given[dotted]!r}, then {item!r}); a key may be "
@@ -149,12 +111,6 @@ def _walk(loc: tuple | list) -> tuple[str, Any]:
     return ".".join(names), tp
 
 
-def section_type(dotted: str) -> Any:
-    """The schema type at `dotted` (a section's dataclass, a leaf's annotation); None for an unknown key."""
-    key, tp = _walk(dotted.split("."))
-    return tp if key == dotted else None
-
-
 def all_keys(cls: type = Config, prefix: str = "", sections: bool = False) -> list[str]:
     """Every dotted leaf key of the schema (and section, with `sections`), in declaration order."""
     keys = []
@@ -166,55 +122,27 @@ def all_keys(cls: type = Config, prefix: str = "", sections: bool = False) -> li
     return keys
 
 
-_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-_TELLING = ("finite_number", *_BOUNDS, "value_error", "too_short")
-"""Of a value's errors (a union gives one per alternative), the most telling first."""
-
-
 def _message(errors: list[dict]) -> str:
-    """The first key's error as one line naming the dotted key."""
+    """The first key's error as one line naming the dotted key, in pydantic's words (a union's joined)."""
     key, leaf = _walk(errors[0]["loc"])
     same = [e for e in errors if _walk(e["loc"])[0] == key]
-    err = min(same, key=lambda e: _TELLING.index(e["type"]) if e["type"] in _TELLING else len(_TELLING))
-    kind, value, ctx = err["type"], err.get("input"), err.get("ctx", {})
-    index = err["loc"][key.count(".") + 1 :]
-    got = "" if isinstance(value, list | tuple) and kind == "value_error" else f", got {value!r}"
+    same = [e for e in same if not e["type"].endswith(("_type", "_parsing", "literal_error"))] or same
+    kind, value = same[0]["type"], same[0].get("input")
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-        return (
-            f"config key {key} was removed: {MOVED[key]}"
-            if key in MOVED
-            else f"unknown config key {key}{_suggest(key)}"
-        )
-    if f"{key}={value}" in MOVED:
-        return f"{key}={value} was removed: {MOVED[f'{key}={value}']}"
-    if dataclasses.is_dataclass(leaf):  # a section's own rule names its field; anything else is not a mapping
-        if kind == "value_error":
-            return f"{key + '.' if key else ''}{ctx['error']}"
-        return f"{key}: expected a section (mapping), got {type(value).__name__} {value!r}"
-    if kind in _BOUNDS:
-        return f"{key} must be {_BOUNDS[kind]} {next(iter(ctx.values()))}{got}"
-    if kind == "too_short":
-        return f"{key} must not be empty{got}"
-    if kind in ("value_error", "finite_number"):
-        return f"{key}: {ctx['error'] if ctx else 'must be a finite number'}{got}"
-    if index and isinstance(index[0], int) and kind != "missing":  # a list's element: pydantic's words
-        return f"{key}[{index[0]}]: {err['msg'][0].lower()}{err['msg'][1:]}{got}"
-    return f"{key}: expected {describe_type(leaf)}, got {type(value).__name__} {value!r}"
+        return f"unknown config key {key}{_suggest(key)}"
+    if kind == "value_error" and dataclasses.is_dataclass(leaf):  # a section's own rule names its field
+        return f"{key + '.' if key else ''}{same[0]['ctx']['error']}"
+    index = "".join(f"[{p}]" for p in same[0]["loc"][key.count(".") + 1 :] if isinstance(p, int))
+    wants = dict.fromkeys(_words(e) for e in same)
+    return f"{key}{index}: {' or '.join(wants).replace(' or must be ', ' or ')}, got {value!r}"
 
 
-def describe_type(tp: Any) -> str:
-    """A type as a user reads it: `true or false`, `an integer`, `'a' or 'b'`, `a list`, `null`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Annotated:
-        return describe_type(args[0])
-    if origin is typing.Literal:
-        return " or ".join(map(repr, args))
-    if origin is tuple:
-        return "a list" if args[-1:] == (Ellipsis,) else f"a list of {len(args)} values"
-    if args:  # a union
-        return " or ".join(describe_type(a) for a in args)
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
-    return names.get(tp, getattr(tp, "__name__", str(tp)))
+def _words(error: dict) -> str:
+    """One error as a user reads it: our rule's message, or pydantic's with YAML's names."""
+    if error["type"] == "value_error":
+        return str(error["ctx"]["error"])
+    words = error["msg"].replace("Input should be ", "must be ").replace("Tuple should", "must")
+    return (words[0].lower() + words[1:]).replace("valid tuple", "list")
 
 
 def _suggest(dotted: str) -> str:
@@ -226,11 +154,3 @@ def _suggest(dotted: str) -> str:
 def to_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain YAML/JSON values (tuples as lists), as `config.yaml` reads back."""
     return TypeAdapter(Config).dump_python(cfg, mode="json")
-
-
-def dump_yaml(cfg: Config, path: Path) -> None:
-    """The resolved config as YAML (next to the run's logs and in every checkpoint)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)

@@ -32,8 +32,7 @@ class DataConfig:
     """The validation data, same forms; needed by `trainer.val_freq` and `trainer.val_before_train`."""
     prompt_key: c.NonEmpty = "problem"
     """Column of the problem text, with one `<image>` marker per image."""
-    answer_key: c.NonEmpty = "answer"
-    """Column of the ground truth."""
+    answer_key: c.NonEmpty = Field("answer", description="Column of the ground truth.")
     image_key: c.NonEmpty = "images"
     """Column of the images (list of `{bytes, path}`); a file without it has text-only rows."""
     format_prompt: str | None = None
@@ -52,17 +51,14 @@ class DataConfig:
     """Validate on the first N examples of the validation set (-1: all)."""
     min_pixels: c.Positive = 3136
     """Images are resized (qwen-vl-utils `smart_resize`) into [min_pixels, max_pixels], for trainer and vLLM."""
-    max_pixels: c.Positive = 262144
-    """See `min_pixels`."""
+    max_pixels: c.Positive = Field(262144, description="See `min_pixels`.")
     video_key: c.NonEmpty = "videos"
     """Column of the videos (paths or bytes), one `<video>` marker each; frames by qwen-vl-utils' rules with
     the keys below (None: its default)."""
     video_fps: c.PositiveFloat | None = None
     """Frames sampled per second (qwen_vl_utils FPS)."""
-    video_min_frames: c.Positive | None = None
-    """Fewest sampled frames (FPS_MIN_FRAMES)."""
-    video_max_frames: c.Positive | None = None
-    """Most sampled frames (FPS_MAX_FRAMES)."""
+    video_min_frames: c.Positive | None = Field(None, description="Fewest sampled frames (FPS_MIN_FRAMES).")
+    video_max_frames: c.Positive | None = Field(None, description="Most sampled frames (FPS_MAX_FRAMES).")
     video_min_pixels: c.Positive | None = None
     """Pixels per frame at least (VIDEO_MIN_TOKEN_NUM x factor^2)."""
     video_max_pixels: c.Positive | None = None
@@ -71,12 +67,10 @@ class DataConfig:
     """Pixels of all frames of a video together (MODEL_SEQ_LEN x factor^2 x 0.9)."""
     shuffle: c.Bool = True
     """Each epoch is a permutation of the data set, drawn from `seed`."""
-    seed: c.NonNegative = 1
-    """Seed of the data order."""
+    seed: c.NonNegative = Field(1, description="Seed of the data order.")
     max_bad_fraction: c.Fraction = 0.1
     """Rows failing to decode are skipped; more than this fraction is an error."""
-    num_builtin_examples: c.Positive = 256
-    """Size of a `builtin:` data set."""
+    num_builtin_examples: c.Positive = Field(256, description="Size of a `builtin:` data set.")
 
     def __post_init__(self) -> None:
         low, high = self.video_min_frames, self.video_max_frames
@@ -112,8 +106,7 @@ class OverlongBufferConfig:
     """Add the soft overlong penalty to each sample's `overall` score (`reward/overlong_penalty`)."""
     length: c.NonNegative = 512
     """L: no penalty up to `max_response_length - L` tokens, then linear to `-penalty_factor` at the maximum."""
-    penalty_factor: c.NonNegativeFloat = 1.0
-    """The largest penalty."""
+    penalty_factor: c.NonNegativeFloat = Field(1.0, description="The largest penalty.")
 
 
 @dataclass(config=c.SECTION)
@@ -126,8 +119,7 @@ class RolloutCorrectionConfig:
     """TIS cap C: w = min(pi_old / pi_rollout, C)."""
     rollout_rs: Literal["token", "sequence", "geometric"] | None = None
     """Rejection level (null: off): ratios outside [lower, rollout_rs_threshold] leave loss and normaliser."""
-    rollout_rs_threshold: Annotated[c.Float, Field(ge=1)] = 2.0
-    """The upper bound."""
+    rollout_rs_threshold: c.Float = Field(2.0, ge=1, description="The upper bound.")
     rollout_rs_threshold_lower: Annotated[c.Float, Field(gt=0, le=1)] | None = None
     """null: 1 / rollout_rs_threshold."""
 
@@ -139,8 +131,7 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: c.Bool | Literal["batch"] = True
     """true: (s - group mean) / (group std + adv_eps) (GRPO); false: s - group mean (Dr.GRPO); batch: the
     global batch's std (TRL's scale_rewards=batch; not in verl)."""
-    adv_eps: c.PositiveFloat = 1e-6
-    """The eps of the division."""
+    adv_eps: c.PositiveFloat = Field(1e-6, description="The eps of the division.")
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -148,8 +139,7 @@ class AlgorithmConfig:
     """Build the reference model and add `kl_coef` x the KL estimate to the loss (`actor/kl_loss`)."""
     kl_penalty: Literal["low_var_kl", "kl", "abs", "mse"] = "low_var_kl"
     """d = logp - logp_ref: kl: d; abs: |d|; mse: d^2 / 2; low_var_kl: exp(-d) + d - 1 (k3) in [-10, 10]."""
-    kl_coef: c.NonNegativeFloat = 0.01
-    """Weight of the KL loss."""
+    kl_coef: c.NonNegativeFloat = Field(0.01, description="Weight of the KL loss.")
 
 
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]
@@ -165,10 +155,8 @@ class TrainerConfig:
     logger: Loggers = ("console", "jsonl")
     """Where rank 0 sends metrics: console, jsonl (what `python -m spmd_grpo.report` plots), tensorboard,
     wandb, swanlab, mlflow (optional extras: `pip install 'spmd_grpo[wandb]'`)."""
-    output_dir: c.NonEmpty = "runs"
-    """The run's files go to output_dir/experiment_name."""
-    total_epochs: c.Positive = 1
-    """Epochs over the training set, when `max_steps` is null."""
+    output_dir: c.NonEmpty = Field("runs", description="The run's files go to output_dir/experiment_name.")
+    total_epochs: c.Positive = Field(1, description="Epochs over the training set, when `max_steps` is null.")
     max_steps: Annotated[c.Int, Field(ge=1)] | None = None
     """Stop after this many steps (null: total_epochs over the training set)."""
     device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
@@ -177,14 +165,12 @@ class TrainerConfig:
     """Seeds the ranks' RNGs, the vLLM engines and the per-request sampling seeds."""
     val_freq: c.OffOrPositive = -1
     """Validate every N steps and after the last (-1: never)."""
-    val_before_train: c.Bool = False
-    """Validate once before the first step."""
+    val_before_train: c.Bool = Field(False, description="Validate once before the first step.")
     val_generations_to_log: c.NonNegative = 4
     """Validation generations sent to the loggers' tables."""
     save_freq: c.OffOrPositive = -1
     """Save every N steps and after the last (-1: only when a signal stops the run)."""
-    save_limit: c.OffOrPositive = 2
-    """Keep the newest N complete checkpoints (-1: all)."""
+    save_limit: c.OffOrPositive = Field(2, description="Keep the newest N complete checkpoints (-1: all).")
     resume: c.NonEmpty = "auto"
     """auto: from the run's newest complete checkpoint (a new run if none); none: a new run (an error if one
     exists); or a global_step_N directory."""

@@ -29,8 +29,7 @@ class LoRAConfig:
     """PEFT LoRA on the policy (y = W x + alpha / rank * B A x): frozen base in the compute dtype, fp32
     adapters; the KL reference is the policy with its adapters disabled (as verl; no second model)."""
 
-    rank: c.NonNegative = 0
-    """0: off (full fine-tuning). verl's `lora_rank`."""
+    rank: c.NonNegative = Field(0, description="0: off (full fine-tuning). verl's `lora_rank`.")
     alpha: c.PositiveFloat = 16.0
     """The adapters' output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
     dropout: Annotated[c.Float, Field(ge=0, lt=1)] = 0.0
@@ -64,26 +63,20 @@ class ModelConfig:
 
 @dataclass(config=c.SECTION)
 class OptimConfig:
-    lr: c.PositiveFloat = 1e-6
-    """AdamW learning rate."""
-    betas: tuple[Beta, Beta] = (0.9, 0.999)
-    """AdamW betas."""
-    weight_decay: c.NonNegativeFloat = 1e-2
-    """AdamW weight decay (decoupled)."""
-    lr_warmup_steps: c.NonNegative = 0
-    """Linear warm-up steps."""
+    lr: c.PositiveFloat = Field(1e-6, description="AdamW learning rate.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas.")
+    weight_decay: c.NonNegativeFloat = Field(1e-2, description="AdamW weight decay (decoupled).")
+    lr_warmup_steps: c.NonNegative = Field(0, description="Linear warm-up steps.")
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     """After warm-up: constant, or cosine decay to `min_lr_ratio` x `lr` at the last step."""
-    min_lr_ratio: c.Fraction = 0.0
-    """The cosine schedule's floor, as a fraction of `lr`."""
+    min_lr_ratio: c.Fraction = Field(0.0, description="The cosine schedule's floor, as a fraction of `lr`.")
 
 
 @dataclass(config=c.SECTION)
 class FSDPConfig:
     param_dtype: DType = "auto"
     """auto: bfloat16 on accelerators, float32 on CPU. Not float16: there is no loss scaling."""
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Gradient reduction dtype."""
+    reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Gradient reduction dtype.")
     offload_params: c.Bool = False
     """Keep the policy's shards, gradients and optimizer step in host memory (FSDP2 CPUOffloadPolicy)."""
     offload_optimizer: c.Bool = False
@@ -120,22 +113,19 @@ class ActorConfig:
     """Samples per forward/backward; gradients accumulate over the rank's share of global_batch_size."""
     micro_batch_size_per_device_for_experience: c.Positive = 16
     """Samples per forward of the old and reference logprobs (no gradient)."""
-    ppo_epochs: c.Positive = 1
-    """Passes over the step's samples."""
+    ppo_epochs: c.Positive = Field(1, description="Passes over the step's samples.")
     loss_mode: Literal["vanilla", "gspo"] = "vanilla"
     """vanilla: PPO's token-level ratio; gspo: GSPO's sequence-level ratio (no dual clip)."""
     clip_ratio_low: Annotated[c.Float, Field(ge=0, lt=1)] = 0.2
     """The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]."""
-    clip_ratio_high: c.NonNegativeFloat = 0.2
-    """DAPO's clip-higher: high > low."""
+    clip_ratio_high: c.NonNegativeFloat = Field(0.2, description="DAPO's clip-higher: high > low.")
     clip_ratio_dual: Annotated[c.Float, Field(gt=1)] | None = 3.0
     """Dual-clip PPO's c (null: off); loss_mode vanilla only."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
     ] = "token-mean"
     """How token losses become the loss (verl's modes; formulas in algorithm/loss.py)."""
-    entropy_coef: c.NonNegativeFloat = 0.0
-    """Entropy bonus weight."""
+    entropy_coef: c.NonNegativeFloat = Field(0.0, description="Entropy bonus weight.")
     max_grad_norm: c.PositiveFloat = 1.0
     """Gradient clipping by the global norm over all shards."""
     logprob_chunk_size: c.Positive = 1024
@@ -171,12 +161,9 @@ class ActorConfig:
 class ValOverrideConfig:
     """Sampling for validation, instead of worker.rollout's."""
 
-    temperature: c.NonNegativeFloat = 0.6
-    """0: greedy."""
-    top_p: c.TopP = 0.95
-    """As worker.rollout.top_p."""
-    top_k: c.TopK = -1
-    """As worker.rollout.top_k."""
+    temperature: c.NonNegativeFloat = Field(0.6, description="0: greedy.")
+    top_p: c.TopP = Field(0.95, description="As worker.rollout.top_p.")
+    top_k: c.TopK = Field(-1, description="As worker.rollout.top_k.")
     n: c.Positive = 1
     """Samples per validation prompt (the N of `val-core/<source>/acc/mean@N`, or `reward/`); 1 if greedy."""
 
@@ -189,32 +176,24 @@ class ValOverrideConfig:
 
 @dataclass(config=c.SECTION)
 class RolloutConfig:
-    n: c.Positive = 8
-    """Samples per prompt (the GRPO group size)."""
-    temperature: c.PositiveFloat = 1.0
-    """The trainer's logprobs use the same temperature."""
+    n: c.Positive = Field(8, description="Samples per prompt (the GRPO group size).")
+    temperature: c.PositiveFloat = Field(1.0, description="The trainer's logprobs use the same temperature.")
     top_p: c.TopP = 1.0
     """Below 1 the trainer's logprobs are not truncated: `rollout/logprob_diff_*` includes the truncation."""
-    top_k: c.TopK = -1
-    """-1 or 0: off (as vLLM)."""
+    top_k: c.TopK = Field(-1, description="-1 or 0: off (as vLLM).")
     tensor_parallel_size: c.Positive = 1
     """vLLM TP; consecutive ranks form a group and submit identical requests."""
     dtype: DType = "auto"
     """auto: bfloat16 on accelerators, float32 on CPU (exact parity with an fp32 trainer)."""
-    gpu_memory_utilization: Annotated[c.Float, Field(gt=0, le=1)] = 0.6
-    """vLLM's memory fraction."""
-    enforce_eager: c.Bool = True
-    """Passed to vLLM (no CUDA graphs / compilation)."""
-    enable_sleep_mode: c.Bool = True
-    """vLLM's sleep mode between rollouts (none on CPU)."""
+    gpu_memory_utilization: c.Float = Field(0.6, gt=0, le=1, description="vLLM's memory fraction.")
+    enforce_eager: c.Bool = Field(True, description="Passed to vLLM (no CUDA graphs / compilation).")
+    enable_sleep_mode: c.Bool = Field(True, description="vLLM's sleep mode between rollouts (none on CPU).")
     sleep_level: Literal[1, 2] = 2
     """2: release vLLM's weights and KV cache (all pushed again at wake); 1: weights kept in host memory."""
     max_num_batched_tokens: c.Positive = 16384
     """vLLM's scheduler budget; raised to `max_model_len` if smaller (chunked prefill is off)."""
-    max_num_seqs: c.Positive = 256
-    """vLLM's concurrent sequences."""
-    limit_images: c.Positive = 1
-    """Most images per prompt (vLLM's limit_mm_per_prompt)."""
+    max_num_seqs: c.Positive = Field(256, description="vLLM's concurrent sequences.")
+    limit_images: c.Positive = Field(1, description="Most images per prompt (vLLM's limit_mm_per_prompt).")
     limit_videos: c.NonNegative = 0
     """Most videos per prompt. 0: rows with a video are skipped at load and vLLM reserves nothing for video."""
     kv_cache_memory_gb: c.PositiveFloat = 1.0

@@ -8,6 +8,7 @@ cannot be opened are skipped and named.
 from __future__ import annotations
 
 import logging
+import re
 from bisect import bisect_right
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple
 
 from PIL import Image
 
-from spmd_grpo.config.checks import BUILTIN_DATASETS, HUB_ID
+from spmd_grpo.config.checks import BUILTIN_DATASETS
 from spmd_grpo.config.schema import DataConfig
 from spmd_grpo.data.images import BadRow, decode_image, image_list, resize_image
 from spmd_grpo.data.prompts import ProcessorSizes
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 ROW_BATCH = 64  # rows converted to Python at a time while checking
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\[\]:%+-]+)?$")
+"""A hub data set's `owner/name`, optionally `@split`."""
 
 
 MAX_NAMED_PER_REASON = 5  # skipped rows named in the log per reason (the rest are counted)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from spmd_grpo.config.checks import HUB_ID, ConfigError, require
+from spmd_grpo.config.checks import ConfigError, require
 from spmd_grpo.config.schema import Config, DataConfig
 
 
@@ -88,6 +88,8 @@ def check_data_size(cfg: Config) -> None:
 def looks_like_hub_id(value: str) -> bool:
     """`owner/name[@split]` that cannot be a local path: no leading `/`, `.` or `~`, and `owner` is not a
     directory here (`models/qwen` with a `models/` directory is a missing local path, not a hub id)."""
+    from spmd_grpo.data.sources import HUB_ID
+
     if not HUB_ID.match(value) or value[0] in "/.~":
         return False
     return not Path(value.split("/")[0]).is_dir()

@@ -10,7 +10,6 @@ import typing
 import annotated_types as at
 
 from spmd_grpo.config.checks import C_INT_MAX, FLOAT32_MAX
-from spmd_grpo.config.loader import describe_type
 from spmd_grpo.config.schema import Config
 
 INTRO = """# Configuration reference
@@ -24,9 +23,8 @@ python -m spmd_grpo.train CONFIG.yaml [section.key=value ...] [--dry-run [--nnod
 ```
 
 - An override's value is parsed as YAML (`[a,b]` is a list, `null` is None). A mapping given to a section
-  (`'worker.actor.optim={weight_decay: 0.0}'`) merges into it; `null` for a section, at any depth of an
-  override, is an error (it would reset the section's keys to their defaults); in the file, an empty section
-  means its defaults.
+  (`'worker.actor.optim={weight_decay: 0.0}'`) merges into it; `null` for a section, in an override or the
+  file (a section whose keys are all commented out), is an error rather than its defaults.
 - An unknown key, a key given twice (in one YAML mapping or on the command line), a value of the wrong type
   or out of its range is an error naming the dotted key, before any process group or model exists
   (`spmd_grpo.train` prints one line and exits with code 2). A bool is never a number; a float key takes a
@@ -81,6 +79,21 @@ def _section(cls: type, prefix: str, out: list[str]) -> None:
             out.append(f"| `{name}` | {kind} | `{_yaml(default)}` | {text} |")
     for name, info in sections:
         _section(info.annotation, f"{prefix}{name}.", out)
+
+
+def describe_type(tp: object) -> str:
+    """A type as a user reads it: `true or false`, `an integer`, `'a' or 'b'`, `a list`, `null`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return describe_type(args[0])
+    if origin is typing.Literal:
+        return " or ".join(map(repr, args))
+    if origin is tuple:
+        return "a list" if args[-1:] == (Ellipsis,) else f"a list of {len(args)} values"
+    if args:  # a union
+        return " or ".join(describe_type(a) for a in args)
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _range(metadata: list, annotation: object) -> str:

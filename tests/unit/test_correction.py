@@ -254,15 +254,15 @@ KEY = "algorithm.rollout_correction."
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout_is=tok", f"{KEY}rollout_is: expected 'token' or 'sequence' or null, got str 'tok'"),
+        ("rollout_is=tok", f"{KEY}rollout_is: must be 'token' or 'sequence', got 'tok'"),
+        ("rollout_rs=seq", f"{KEY}rollout_rs: must be 'token', 'sequence' or 'geometric', got 'seq'"),
+        ("rollout_is_threshold=0.5", f"{KEY}rollout_is_threshold: must be greater than or equal to 1"),
         (
-            "rollout_rs=seq",
-            f"{KEY}rollout_rs: expected 'token' or 'sequence' or 'geometric' or null, got str 'seq'",
+            "rollout_rs_threshold=0.9",
+            f"{KEY}rollout_rs_threshold: must be greater than or equal to 1, got 0.9",
         ),
-        ("rollout_is_threshold=0.5", f"{KEY}rollout_is_threshold must be >= 1"),
-        ("rollout_rs_threshold=0.9", f"{KEY}rollout_rs_threshold must be >= 1, got 0.9"),
-        ("rollout_rs_threshold_lower=0", f"{KEY}rollout_rs_threshold_lower must be > 0, got 0"),
-        ("rollout_is_threshold=big", f"{KEY}rollout_is_threshold: expected a number, got str 'big'"),
+        ("rollout_rs_threshold_lower=0", f"{KEY}rollout_rs_threshold_lower: must be greater than 0, got 0"),
+        ("rollout_is_threshold=big", f"{KEY}rollout_is_threshold: must be a valid number, got 'big'"),
         ("rollout_cap=2", f"unknown config key {KEY}rollout_cap"),
     ],
 )

@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from spmd_grpo.config.checks import ConfigError
-from spmd_grpo.config.loader import dump_yaml, load_config
+from spmd_grpo.config.loader import load_config
 from spmd_grpo.config.validate import validate
+from spmd_grpo.run.saved_config import dump_yaml
 from spmd_grpo.telemetry.loggers import build_loggers, markdown_table, mlflow_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,10 +76,10 @@ def test_logger_list_parses_and_round_trips(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trainer.logger=wandb", "trainer.logger: expected a list, got str 'wandb'"),
+        ("trainer.logger=wandb", "trainer.logger: must be a list, got 'wandb'"),
         (
             "trainer.logger=[console,wandbb]",
-            "trainer.logger[1]: input should be 'console', 'jsonl', 'tensorboard', 'wandb', 'swanlab' or "
+            "trainer.logger[1]: must be 'console', 'jsonl', 'tensorboard', 'wandb', 'swanlab' or "
             "'mlflow', got 'wandbb'",
         ),
     ],
