@@ -99,7 +99,8 @@ class Timer:
 
 
 def global_stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    """`{prefix}/mean|max|min` of a 1-D tensor whose entries are spread over all ranks."""
+    """`{prefix}/mean|max|min` of a 1-D tensor whose entries are spread over all ranks; all three 0 when no
+    rank holds an entry (a JSON line holds no infinity)."""
     values = values.detach().double().flatten()
     total = all_reduce_sum(torch.tensor([values.sum().item(), float(values.numel())], dtype=torch.float64))
     inf = float("inf")
@@ -109,8 +110,8 @@ def global_stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     vmin = all_reduce_min(torch.tensor([values.min().item() if values.numel() else inf], dtype=torch.float64))
     return {
         f"{prefix}/mean": float(total[0] / total[1]) if total[1] > 0 else 0.0,
-        f"{prefix}/max": float(vmax),
-        f"{prefix}/min": float(vmin),
+        f"{prefix}/max": float(vmax) if total[1] > 0 else 0.0,
+        f"{prefix}/min": float(vmin) if total[1] > 0 else 0.0,
     }
 
 

@@ -204,6 +204,10 @@ def test_logged_advantage_mean_is_over_response_tokens_as_verl():
     assert m["critic/advantages/mean"] == pytest.approx(0.5)
     assert (m["critic/advantages/max"], m["critic/advantages/min"]) == (1.0, -1.0)
     assert m["critic/score/mean"] == pytest.approx(0.0)  # scores stay per sample, as verl's
+    for s in samples:  # no response token in the batch: 0, not the -inf / inf of an empty max / min
+        s.response_ids, s.rollout_logprobs, s.old_logprobs = [], [], torch.zeros(0)
+    m = sample_metrics(samples, max_response_length=3)
+    assert (m["critic/advantages/max"], m["critic/advantages/min"]) == (0.0, 0.0)
 
 
 def test_batch_std_of_equal_scores_uses_one_for_groups_of_one():
