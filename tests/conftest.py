@@ -182,6 +182,7 @@ SAVED_CASES = [  # (family, tied embeddings, LoRA rank, EP size): what the check
     ("qwen2_5_vl", False, 0, 1),
     ("qwen2_5_vl", False, 4, 1),
     ("qwen2_5_vl", True, 0, 1),
+    ("qwen2_5_vl", True, 4, 1),
     ("qwen2_vl", False, 0, 1),
     ("qwen3_vl", False, 0, 1),
     ("qwen3_vl_moe", False, 0, 2),

@@ -27,9 +27,9 @@ while pruning cannot leave a half-deleted directory that looks complete. `run_di
 every rank sees (one shared directory on multi-node runs).
 
 LoRA (`worker.actor.model.lora`): "model" and "optim" hold only the adapters and their Adam state
-(`ignore_frozen_params`); the frozen base is `model_path`, read again at start-up. Qwen2.5-VL-72B with
-rank 16 on every language-model linear layer: 0.21B adapter parameters, 0.84 GB of fp32 adapters + 1.68 GB
-of Adam moments = 2.5 GB per checkpoint instead of ~1.2 TB for full fine-tuning.
+(`_state_dicts`); the frozen base is `model_path`, read again at start-up. Qwen2.5-VL-72B with rank 16 on
+every language-model linear layer: 0.21B adapter parameters, 0.84 GB of fp32 adapters + 1.68 GB of Adam
+moments = 2.5 GB per checkpoint instead of ~1.2 TB for full fine-tuning.
 
 Resharding: DCP stores each tensor's global shape and the chunks each rank wrote; `load_checkpoint` asks for the
 shards of the CURRENT world's DTensors, so a checkpoint saved at world size W loads at any world size (model and
@@ -63,7 +63,7 @@ import yaml
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from spmd_grpo.models.lora import has_adapters
+from spmd_grpo.models.lora import has_adapters, is_adapter_name
 from spmd_grpo.parallel.collectives import World, all_gather_objects, barrier
 from spmd_grpo.parallel.devices import device_module
 from spmd_grpo.run.checkpoint_dirs import (
@@ -201,7 +201,7 @@ def _write_files(
 ) -> list[str]:
     """This rank's share of the checkpoint (DCP shards, RNG; rank 0: the scheduler and config too); returns
     the names it wrote, which it checksums for the manifest."""
-    model_sd, optim_sd = get_state_dict(policy, optim.optimizer, options=_options(policy))
+    model_sd, optim_sd = _state_dicts(policy, optim)
     dcp.save(  # .metadata written last
         {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=_alone(world)
     )
@@ -255,7 +255,7 @@ def load_checkpoint(path: Path, *, policy: nn.Module, optim: OptimizerBundle, wo
     ]
     base_lrs = list(optim.scheduler.base_lrs)
     options = _options(policy)
-    model_sd, optim_sd = get_state_dict(policy, optim.optimizer, options=options)
+    model_sd, optim_sd = _state_dicts(policy, optim)
     to_load = {"model": model_sd, "optim": optim_sd}
     _check_keys(path, to_load)
     try:
@@ -347,6 +347,16 @@ def load_or_fall_back(
             if previous is None:
                 raise
             path = previous
+
+
+def _state_dicts(policy: nn.Module, optim: OptimizerBundle) -> tuple[dict, dict]:
+    """The policy's and the optimizer's sharded state dicts as a checkpoint holds them: with LoRA the
+    adapters alone (the only trainable parameters). `ignore_frozen_params` keeps a tied output head, the
+    frozen input embedding under a second name, which then read as full fine-tuning at resume and export."""
+    model_sd, optim_sd = get_state_dict(policy, optim.optimizer, options=_options(policy))
+    if has_adapters(policy):
+        model_sd = {k: v for k, v in model_sd.items() if is_adapter_name(k)}
+    return model_sd, optim_sd
 
 
 def _options(policy: nn.Module) -> StateDictOptions:

@@ -114,15 +114,17 @@ def has_manifest(path: Path) -> bool:
 
 
 def saved_lora_rank(checkpoint: Path) -> int | None:
-    """The rank of the LoRA adapters a checkpoint holds (its `model.*` entries are adapters only), 0 for a
-    full checkpoint (whole weights), None when its DCP metadata holds no policy (nothing to tell)."""
+    """The rank of the LoRA adapters a checkpoint holds (`model.*` entries that are adapters), 0 for a full
+    checkpoint (whole weights, no adapter), None when its DCP metadata holds no policy (nothing to tell). A
+    LoRA checkpoint of a model with tied embeddings saved before checkpoint.py dropped the frozen output head
+    also holds `model.hf.lm_head.weight`: still adapters."""
     from spmd_grpo.models.lora import ADAPTER_KEYS, is_adapter_name
 
     entries = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     policy = {k: md for k, md in entries.items() if k.startswith("model.") and hasattr(md, "size")}
     if not policy:
         return None
-    if not all(is_adapter_name(k) for k in policy):
+    if not any(is_adapter_name(k) for k in policy):
         return 0
     return next(int(md.size[0]) for k, md in policy.items() if ADAPTER_KEYS[0] in k)  # lora_A: [rank, in]
 

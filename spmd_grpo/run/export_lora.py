@@ -46,15 +46,15 @@ MODEL_PREFIX = "model."  # the policy's DCP keys (checkpoint.py saves {"model": 
 
 
 def adapter_keys(ckpt: Path) -> dict[str, str]:
-    """{DCP key: PEFT key} of every adapter tensor; empty for a full (non-LoRA) checkpoint."""
+    """{DCP key: PEFT key} of every adapter tensor; empty for a full (non-LoRA) checkpoint. Other `model.*`
+    entries beside adapters (the frozen tied output head that LoRA checkpoints of tied models held before
+    checkpoint.py dropped it) are base weights: `model_path` has them."""
     metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     keys = [
         k
         for k, md in metadata.items()
-        if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)
+        if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata) and is_adapter_name(k)
     ]
-    if not keys or not all(is_adapter_name(k) for k in keys):
-        return {}
     # hf.<module>.lora_A.default.weight -> base_model.model.<module>.lora_A.weight
     return {
         k: "base_model.model." + hf_name(k.removeprefix(MODEL_PREFIX)).replace(f".{ADAPTER}.", ".")

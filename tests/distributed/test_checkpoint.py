@@ -27,14 +27,6 @@ def saved(tiny_untied, saved_checkpoints):
     return work, torch.load(work / "save.pt", weights_only=False)
 
 
-def resume(saved, tiny_untied, nproc: int, lora_rank: int = 0) -> dict:
-    work, _ = saved
-    out = work / f"resume{nproc}.pt"
-    job = [CHECKPOINT_JOB, "--phase", "resume", "--case", str(tiny_untied), str(work / "run"), str(out)]
-    torchrun([*job, str(lora_rank), "1"], nproc=nproc)
-    return torch.load(out, weights_only=False)
-
-
 def corrupted_run(saved, tiny_untied) -> tuple[Path, Path]:
     """A run directory holding the saved step-2 checkpoint twice, as global_step_2 and global_step_4 (each
     with the config of the job's `--verify` start, so that nothing changed), with one byte flipped in the
@@ -135,30 +127,45 @@ def test_resume_at_world_one_reshards(saved, resumed):
         torch.testing.assert_close(got["params_after"][name], t, rtol=0, atol=1e-5, msg=name)
 
 
-def test_lora_checkpoint_holds_adapters_only_and_resumes_at_world_one(tiny_untied, saved_checkpoints):
+def test_lora_checkpoint_holds_adapters_only_and_resumes_at_world_one(
+    tiny_untied, tiny_tied, saved_checkpoints
+):
     """LoRA: the checkpoint holds the adapters and their Adam state, nothing of the frozen base; a resume at
-    another world size restores them exactly (the base comes from model_path)."""
+    another world size restores them exactly (the base comes from model_path). Also with tied embeddings:
+    the frozen head is the input embedding under a second name, which `ignore_frozen_params` left in the
+    state dict, so the head was saved whole and the checkpoint read as full fine-tuning (a resume with the
+    same config refused, the export a model of adapters and head)."""
     import torch.distributed.checkpoint as dcp
 
     from spmd_grpo.models.lora import is_adapter_name
+    from spmd_grpo.run.checkpoint_dirs import saved_lora_rank
 
-    work = saved_checkpoints(tiny_untied, lora_rank=4)
-    ref = torch.load(work / "save.pt", weights_only=False)
-    keys = list(
-        dcp.FileSystemReader(str(work / "run/checkpoints/global_step_2")).read_metadata().state_dict_metadata
-    )
-    model_keys = [k for k in keys if k.startswith("model.")]
-    optim_keys = [k for k in keys if k.startswith("optim.state.")]
-    assert model_keys and all(is_adapter_name(k) for k in model_keys), model_keys[:5]
-    assert optim_keys and all(is_adapter_name(k) for k in optim_keys), optim_keys[:5]
-    assert len(optim_keys) == 3 * len(model_keys)  # exp_avg, exp_avg_sq, step per adapter tensor
-    assert set(ref["at_save"]["exp_avg"]) == {hf for hf in ref["at_save"]["params"] if is_adapter_name(hf)}
-    got = resume((work, ref), tiny_untied, nproc=1, lora_rank=4)
-    assert_same_training_state(ref["at_save"], got["at_save"])
-    for name, t in ref["params_after"].items():
-        torch.testing.assert_close(got["params_after"][name], t, rtol=0, atol=1e-5, msg=name)
-    moved = [n for n, t in ref["params_after"].items() if not torch.equal(t, ref["at_save"]["params"][n])]
-    assert moved and all(is_adapter_name(n) for n in moved)  # only adapters train
+    works = {model: saved_checkpoints(model, lora_rank=4) for model in (tiny_untied, tiny_tied)}
+    job = [CHECKPOINT_JOB, "--phase", "resume"]  # both models in one launch
+    for model, work in works.items():
+        job += ["--case", str(model), str(work / "run"), str(work / "resume1.pt"), "4", "1"]
+    torchrun(job, nproc=1)
+    for work in works.values():
+        ref = torch.load(work / "save.pt", weights_only=False)
+        ckpt = work / "run/checkpoints/global_step_2"
+        keys = list(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+        model_keys = [k for k in keys if k.startswith("model.")]
+        optim_keys = [k for k in keys if k.startswith("optim.state.")]
+        assert model_keys and all(is_adapter_name(k) for k in model_keys), [
+            k for k in model_keys if not is_adapter_name(k)
+        ][:5]
+        assert optim_keys and all(is_adapter_name(k) for k in optim_keys), optim_keys[:5]
+        assert len(optim_keys) == 3 * len(model_keys)  # exp_avg, exp_avg_sq, step per adapter tensor
+        assert saved_lora_rank(ckpt) == 4  # what a resume's start checks against lora.rank
+        assert set(ref["at_save"]["exp_avg"]) == {
+            hf for hf in ref["at_save"]["params"] if is_adapter_name(hf)
+        }
+        got = torch.load(work / "resume1.pt", weights_only=False)
+        assert_same_training_state(ref["at_save"], got["at_save"])
+        for name, t in ref["params_after"].items():
+            torch.testing.assert_close(got["params_after"][name], t, rtol=0, atol=1e-5, msg=name)
+        moved = [n for n, t in ref["params_after"].items() if not torch.equal(t, ref["at_save"]["params"][n])]
+        assert moved and all(is_adapter_name(n) for n in moved)  # only adapters train
 
 
 @pytest.mark.parametrize("nproc", [2, 1])

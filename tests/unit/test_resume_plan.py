@@ -177,8 +177,10 @@ def test_a_changed_video_limit_or_video_sampling_is_refused_like_the_image_limit
     assert plan_start(_cfg(tmp_path, *saved)).changes == ()  # the control
 
 
-def _policy_checkpoint(run: Path, step: int, cfg, lora_rank: int) -> Path:
-    """A checkpoint whose DCP entries are a policy's: LoRA adapters only (`lora_rank` > 0) or whole weights."""
+def _policy_checkpoint(run: Path, step: int, cfg, lora_rank: int, tied_head: bool = False) -> Path:
+    """A checkpoint whose DCP entries are a policy's: LoRA adapters only (`lora_rank` > 0) or whole weights;
+    `tied_head`: also the output head, which LoRA checkpoints of tied-embedding models held until the save
+    dropped it."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -190,6 +192,8 @@ def _policy_checkpoint(run: Path, step: int, cfg, lora_rank: int) -> Path:
          f"{layer}.lora_B.default.weight": torch.zeros(64, lora_rank)}
         if lora_rank else {f"{layer}.weight": torch.zeros(64, 64)}
     )  # fmt: skip
+    if tied_head:
+        model["hf.lm_head.weight"] = torch.zeros(32, 64)
     dcp.save({"model": model}, checkpoint_id=str(ckpt), no_dist=True)
     torch.save({}, ckpt / "scheduler.pt")
     dump_yaml(cfg, ckpt / "config.yaml")
@@ -218,6 +222,19 @@ def test_lora_and_full_checkpoints_resumed_the_other_way_are_one_line_naming_the
         assert f"python -m spmd_grpo.export {ckpt} ADAPTER_OUT --merged MERGED_OUT" in message, message
         assert "worker.actor.model.model_path=MERGED_OUT" in message and f"{rank}=8" in message, message
     assert plan_start(_cfg(tmp_path, f"{rank}={saved}")).checkpoint == ckpt  # the control
+
+
+def test_a_lora_checkpoint_holding_a_tied_head_is_still_adapters_for_resume_and_export(tmp_path):
+    """LoRA checkpoints of tied-embedding models saved the frozen output head beside the adapters (the input
+    embedding under a second name, which `ignore_frozen_params` kept): a resume with the same rank was refused
+    as full fine-tuning and the export wrote adapters and head as a model. They are adapters."""
+    from spmd_grpo.run.export_lora import adapter_keys
+
+    rank = "worker.actor.model.lora.rank"
+    ckpt = _policy_checkpoint(tmp_path / "run", 3, _cfg(tmp_path, f"{rank}=8"), 8, tied_head=True)
+    assert plan_start(_cfg(tmp_path, f"{rank}=8")).checkpoint == ckpt
+    module = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
+    assert sorted(adapter_keys(ckpt).values()) == [f"{module}.lora_A.weight", f"{module}.lora_B.weight"]
 
 
 def test_old_checkpoint_without_config_is_compared_with_the_run_dirs(tmp_path):
