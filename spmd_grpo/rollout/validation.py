@@ -15,9 +15,9 @@ with its own per-request seeds (`VAL_SEED_OFFSET`), so validation never consumes
 samples' randomness. Each rank validates a strided share of the set (rank r takes examples r, r + world,
 ...), in generation batches of `batch_size` prompts over all ranks (`data.val_batch_size`; -1: one batch),
 every rank running the same number of batches (the ranks of a TP group gather each batch together). The
-first `num_logged` generations (over ranks, in rank order) go to `log_generations(step, rows)` on rank 0
-(the loggers' tables: val_generations.jsonl, wandb, ...). The caller holds the engine in
-`rollout_mode` around `validate`.
+first `num_logged` generations of the set (example, then sample: the same at any world size) go to
+`log_generations(step, rows)` on rank 0 (the loggers' tables: val_generations.jsonl, wandb, ...). The
+caller holds the engine in `rollout_mode` around `validate`.
 """
 
 from __future__ import annotations
@@ -110,17 +110,21 @@ def _metrics(samples: list[Sample], rewards: dict[str, torch.Tensor], n: int) ->
 
 
 def _generations(samples: list[Sample], rewards: dict[str, torch.Tensor], num: int) -> list[dict[str, Any]]:
-    """The first `num` generations over ranks, in rank order (the same list on every rank; collective)."""
-    logged = all_gather_objects(
-        [
-            {
-                "data_source": s.prompt.extra["data_source"],
-                "problem": s.prompt.extra["problem"],
-                "response": s.response_text,
-                "ground_truth": s.prompt.ground_truth,
-                "score": float(rewards["overall"][i]),
-            }
-            for i, s in enumerate(samples[:num])
-        ]
-    )
-    return [row for part in logged for row in part][:num] if num > 0 else []
+    """The first `num` generations in the set's order (example, then sample), the same whatever the world size
+    and on every rank (collective): each rank sends its own first `num`, and the first `num` of those are
+    kept. Taking them in rank order instead logged other examples after a resume at another world size
+    (the strided shares: examples 0, 2, 4, 6 at 2 ranks, 0, 1, 2, 3 at 1)."""
+
+    def row(i: int, s: Sample) -> tuple[tuple[int, int], dict[str, Any]]:
+        return (s.prompt.uid, s.sample_index), {
+            "data_source": s.prompt.extra["data_source"],
+            "problem": s.prompt.extra["problem"],
+            "response": s.response_text,
+            "ground_truth": s.prompt.ground_truth,
+            "score": float(rewards["overall"][i]),
+        }
+
+    num = max(num, 0)
+    mine = sorted((row(i, s) for i, s in enumerate(samples)), key=lambda r: r[0])[:num]
+    merged = sorted((r for part in all_gather_objects(mine) for r in part), key=lambda r: r[0])
+    return [fields for _, fields in merged[:num]]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from spmd_grpo.data.samples import Prompt, Sample
-from spmd_grpo.rollout.validation import _batches, _metrics
+from spmd_grpo.rollout import validation
+from spmd_grpo.rollout.validation import _batches, _generations, _metrics
 
 
 def test_whole_set_in_one_batch_by_default():
@@ -50,3 +51,28 @@ def test_core_metric_is_the_accuracy_under_acc_and_the_reward_under_reward():
     assert not [k for k in m if "/acc/" in k]
     assert m["val-core/geo/reward/mean@1"] == pytest.approx(0.5)
     assert m["val-core/chart/reward/mean@1"] == pytest.approx(1.0)
+
+
+def test_the_logged_generations_are_the_sets_first_at_any_world_size(monkeypatch):
+    """The table's rows are the first generations of the set (example, then sample), not of rank 0's strided
+    share: a resume at another world size logs the same examples as the run it continues."""
+    samples = [
+        Sample(Prompt(i, [1], extra={"data_source": "c", "problem": f"p{i}"}), k, [1], [2], [-0.1],
+               response_text=f"r{i}.{k}")
+        for i in range(5) for k in range(2)
+    ]  # fmt: skip
+    rewards = torch.arange(10, dtype=torch.float32)
+
+    def logged(world_size: int) -> list[str]:
+        shares = [
+            [j for j, s in enumerate(samples) if s.prompt.uid % world_size == r] for r in range(world_size)
+        ]
+        sent = []  # what each rank gives the all-gather, then the gather's answer on rank 0
+        monkeypatch.setattr(validation, "all_gather_objects", lambda obj: sent.append(obj) or [obj])
+        for share in shares:
+            _generations([samples[j] for j in share], {"overall": rewards[share]}, 3)
+        monkeypatch.setattr(validation, "all_gather_objects", lambda obj: sent)
+        rows = _generations([samples[j] for j in shares[0]], {"overall": rewards[shares[0]]}, 3)
+        return [(r["response"], r["score"]) for r in rows]
+
+    assert logged(1) == logged(2) == logged(3) == [("r0.0", 0.0), ("r0.1", 1.0), ("r1.0", 2.0)]
