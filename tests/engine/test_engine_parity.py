@@ -39,7 +39,9 @@ CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qw
     ("qwen2_vl", 1, False, ""),
     ("qwen3_vl", 1, False, ""),
     # LoRA, adapters on a frozen base. Merged sync (untied, with an adapter on the output head too, which
-    # the trainer's chunked log-softmax applies itself): base + scale * B A pushed as plain weights. Adapter
+    # the trainer's chunked log-softmax applies itself): base + scale * B A pushed as plain weights; k_proj
+    # and up_proj carry none, so each push also sends them frozen beside their adapted partners in vLLM's
+    # fused qkv_proj and gate_up_proj (left out, their rows were uninitialised: errors of 0.37). Adapter
     # sync (tied): vLLM's enable_lora gets the adapters alone, under a new LoRA id at every push.
     ("qwen2_5_vl", 1, False, "merged"),
     ("qwen2_5_vl", 1, True, "adapter"),
@@ -68,7 +70,7 @@ def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
     job += ["--videos"] if (family, tp, tied) in VIDEO_CASES and not lora else []
     job += ["--expert-parallel", "2"] if family in EP_FAMILIES else []
     if lora:
-        head = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
+        head = "[q_proj,v_proj,o_proj,gate_proj,down_proj,lm_head]"  # k_proj, up_proj: fused partners
         job += ["--lora-rank", "8", "--lora-targets", "all-linear" if tied else head, "--lora-sync", lora]
     return job + (["--trust-remote-code"] if tp == 2 and tied else [])
 
