@@ -42,7 +42,8 @@ CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qw
     # the trainer's chunked log-softmax applies itself): base + scale * B A pushed as plain weights; k_proj
     # and up_proj carry none, so each push also sends them frozen beside their adapted partners in vLLM's
     # fused qkv_proj and gate_up_proj (left out, their rows were uninitialised: errors of 0.37). Adapter
-    # sync (tied): vLLM's enable_lora gets the adapters alone, under a new LoRA id at every push.
+    # sync (tied): vLLM's enable_lora gets the adapters alone, under a new LoRA id at every push, the vision
+    # tower's too (no module excluded: vLLM drops tower adapters unless told, errors of 0.12-0.86).
     ("qwen2_5_vl", 1, False, "merged"),
     ("qwen2_5_vl", 1, True, "adapter"),
     # The MoE and hybrid families: Qwen3.5 in bf16, the only dtype of vLLM CPU's linear-attention kernel;
@@ -76,6 +77,7 @@ def _case_args(family, tp, tied, lora, out: Path) -> list[str]:
     if lora:
         head = "[q_proj,v_proj,o_proj,gate_proj,down_proj,lm_head]"  # k_proj, up_proj: fused partners
         job += ["--lora-rank", "8", "--lora-targets", "all-linear" if tied else head, "--lora-sync", lora]
+        job += ["--lora-exclude", "[]"] if lora == "adapter" else []
     return job + (["--trust-remote-code"] if tp == 2 and tied else [])
 
 
