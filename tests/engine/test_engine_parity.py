@@ -41,7 +41,7 @@ CASES = [  # (family, tp, tied, LoRA sync mode, "" = full fine-tuning): every Qw
     # LoRA, adapters on a frozen base. Merged sync (untied, with an adapter on the output head too, which
     # the trainer's chunked log-softmax applies itself): base + scale * B A pushed as plain weights; k_proj
     # and up_proj carry none, so each push also sends them frozen beside their adapted partners in vLLM's
-    # fused qkv_proj and gate_up_proj (left out, their rows were uninitialised: errors of 0.37). Adapter
+    # fused qkv_proj and gate_up_proj (left out, their rows were uninitialised: 0.56, NaN). Adapter
     # sync (tied): vLLM's enable_lora gets the adapters alone, under a new LoRA id at every push, the vision
     # tower's too (no module excluded: vLLM drops tower adapters unless told, errors of 0.12-0.86).
     ("qwen2_5_vl", 1, False, "merged"),
@@ -59,7 +59,8 @@ BF16 = {"qwen3_5", "qwen3_5_moe"}
 """Families whose rollout runs in bf16 on the CPU; their bound is the one the dense families meet in bf16
 (tests/gpu: mean |vLLM - trainer| per token < 0.05 and 5x below the stale weights' mean). It misses a
 small parameter left out of a push: without Qwen3.5's dt_bias or linear_attn.norm the mean was 0.011-0.017
-and 0.0095-0.011 (0.0025-0.0041 with every weight), without Qwen3.5-MoE's shared_expert_gate 0.042-0.046.
+and 0.0095-0.011 (0.0025-0.0041 with every weight), without its vision blocks 0.0088-0.0092, without
+Qwen3.5-MoE's shared_expert_gate 0.042-0.046.
 vLLM's "Following weights were not loaded" warning names such a parameter in any dtype: no case but
 merged LoRA (which leaves frozen weights out on purpose) may show it."""
 EP_FAMILIES = {"qwen3_vl_moe"}
