@@ -43,7 +43,9 @@ linear layer and glibc would keep the freed pages; measurements in docs/benchmar
 multimodal and encoder caches are reset (stale image embeddings otherwise; vLLM also failed with "Encoder
 cache miss" without the reset). A push is skipped when the engine already holds the policy's version, and
 parameters that do not require grad (a frozen vision tower) are sent only when the engine holds no weights
-of the policy at all: they never change.
+of the policy at all: they never change. Except the frozen partners of a weight that is sent into one fused
+vLLM layer (`k_proj` beside LoRA-adapted `q_proj`/`v_proj` in `qkv_proj`): vLLM rebuilds a reloaded fused
+layer from empty memory, so they travel with it (`weight_sync.fused_partners`).
 
 vLLM CPU (0.32) does not re-pack its unquantized fused-MoE experts when `reload_weights` reloads them:
 `from_config` wraps those layers once, so that every push packs what it loads (`moe_reload.py`).
@@ -75,7 +77,7 @@ from spmd_grpo.config.schema import Config
 from spmd_grpo.config.workers import LoRAConfig, RolloutConfig
 from spmd_grpo.data.prompts import ProcessorSizes
 from spmd_grpo.models.families import family_of
-from spmd_grpo.models.lora import merge_sources
+from spmd_grpo.models.lora import is_adapter_name, merge_sources
 from spmd_grpo.models.weights import hf_name
 from spmd_grpo.parallel.collectives import World
 from spmd_grpo.parallel.devices import empty_cache, memory_line, resolve_dtype, set_expandable_segments
@@ -88,7 +90,7 @@ from spmd_grpo.rollout.vllm_args import (
     suppress_vision_tokens_processor,
     weight_push,
 )
-from spmd_grpo.rollout.weight_sync import CountingIterator, iter_sharded_weights
+from spmd_grpo.rollout.weight_sync import CountingIterator, fused_partners, iter_sharded_weights
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,8 @@ class RolloutEngine:
             raise RuntimeError(
                 f"the vLLM worker {type(worker).__name__} has no reload_weights: it cannot take pushes"
             )
+        # {fused vLLM module: the HF modules it stacks}: frozen weights fused with sent ones are sent too
+        self.packed_modules = dict(getattr(worker.get_model(), "packed_modules_mapping", {}))
         self.stats = EngineStats()
         self.asleep = False
         # Asleep from the start, as verl and EasyR1 leave a new engine: its dummy weights and KV cache would
@@ -262,8 +266,11 @@ class RolloutEngine:
         # A parameter that does not require grad never changes: send it only to an engine without weights.
         frozen = set()
         if self.stats.synced_version != NO_WEIGHTS:  # (a LoRA-adapted base weight changes with its adapters)
-            frozen = {hf_name(n) for n, p in policy.named_parameters() if not p.requires_grad}
-            frozen -= merge_sources(policy).keys()
+            trains = {
+                hf_name(n): p.requires_grad for n, p in policy.named_parameters() if not is_adapter_name(n)
+            }
+            frozen = {n for n, t in trains.items() if not t} - merge_sources(policy).keys()
+            frozen -= fused_partners(frozen, trains.keys() - frozen, self.packed_modules)
         weights = iter_sharded_weights(
             policy,
             self.dtype,

@@ -18,7 +18,7 @@ adapters whole in fp32), so vLLM needs no LoRA support and any model it serves w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import cache
 
 import torch
@@ -146,6 +146,24 @@ def iter_sharded_weights(
     )
     for _, tensors in buckets:
         yield from tensors
+
+
+def fused_partners(frozen: set[str], sent: Iterable[str], packed: Mapping[str, list[str]]) -> set[str]:
+    """The names in `frozen` that vLLM loads into one fused layer with a name in `sent`.
+
+    `packed` is the vLLM model's `packed_modules_mapping` ({fused module: the HF modules it stacks}, e.g.
+    `qkv_proj: [q_proj, k_proj, v_proj]`); names are HF parameter names (`<parent>.<module>.<param>`). vLLM's
+    in-place reload rebuilds a fused layer from empty memory and loads what arrives: a push that sends
+    `q_proj` and `v_proj` but leaves out a frozen `k_proj` (LoRA adapting a subset of a fused group) would
+    leave k's rows uninitialised in the engine. Such partners must travel with the rest of their group."""
+    group_of = {m: fused for fused, members in packed.items() if len(members) > 1 for m in members}
+
+    def key(name: str) -> tuple[str, str] | None:
+        parent, module, _ = ([""] * 2 + name.rsplit(".", 2))[-3:]
+        return (parent, group_of[module]) if module in group_of else None
+
+    live = {key(n) for n in sent} - {None}
+    return {n for n in frozen if key(n) in live}
 
 
 def is_row_sharded(p: torch.Tensor) -> bool:

@@ -128,8 +128,8 @@ def check_reward_imports(cfg: Config) -> None:
 def check_family(cfg: Config) -> None:
     """A model whose family is not supported stops here, naming the key and the supported families; so does
     a checkpoint config the family cannot train (`Family.checkpoint_config_error`), a rollout dtype vLLM
-    cannot serve the family in on this device (Qwen3.5 on CPU: bfloat16 only), and an expert-parallel size
-    the model's experts do not allow."""
+    cannot serve the family in on this device (Qwen3.5 on CPU: bfloat16 only), adapter-only LoRA sync of an
+    MoE family on the CPU, and an expert-parallel size the model's experts do not allow."""
     from spmd_grpo.models.families import family_of_model_path
 
     model_path = cfg.worker.actor.model.model_path
@@ -162,6 +162,15 @@ def check_family(cfg: Config) -> None:
     dtype = str(resolve_dtype(cfg.worker.rollout.dtype, device_type)).removeprefix("torch.")
     error = family.rollout_dtype_error(dtype, device_type)
     require(not error, f"worker.rollout.dtype={cfg.worker.rollout.dtype}: {error}; set bfloat16")
+    # vLLM 0.32 with enable_lora wraps every fused-MoE layer for LoRA (adapted experts or not), and that
+    # layer runs Triton's fused-MoE kernel, which the CPU build lacks: the first generate failed with
+    # "module 'triton.language' has no attribute 'float32'", after both models and the engine had loaded.
+    adapter = cfg.worker.actor.model.lora.enabled and cfg.worker.rollout.lora_sync == "adapter"
+    require(
+        not (adapter and family.moe is not None and device_type == "cpu"),
+        f"worker.rollout.lora_sync=adapter: vLLM's CPU build cannot serve {family.name} with LoRA adapters "
+        "(its MoE layers then need Triton's kernel); use merged",
+    )
 
 
 def _num_experts(config: dict) -> int | None:

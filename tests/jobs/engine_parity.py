@@ -166,6 +166,7 @@ def case_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full)")
     ap.add_argument("--lora-targets", default="all-linear", help="worker.actor.model.lora.target_modules")
     ap.add_argument("--lora-sync", default="merged", help="worker.rollout.lora_sync")
+    ap.add_argument("--lora-exclude", default=None, help="worker.actor.model.lora.exclude_modules")
     ap.add_argument("--expert-parallel", type=int, default=1, help="worker.actor.fsdp.expert_parallel_size")
     return ap
 
@@ -194,6 +195,7 @@ def run_case(args: argparse.Namespace, world) -> None:
             f"worker.actor.model.lora.rank={args.lora_rank}",
             f"worker.actor.model.lora.target_modules={args.lora_targets}",
             f"worker.rollout.lora_sync={args.lora_sync}",
+            *([f"worker.actor.model.lora.exclude_modules={args.lora_exclude}"] if args.lora_exclude else []),
             f"worker.actor.fsdp.expert_parallel_size={args.expert_parallel}",
         ],
     )

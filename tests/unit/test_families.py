@@ -199,6 +199,26 @@ def test_qwen3_5_on_cpu_needs_a_bf16_rollout(capsys):
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_an_moe_family_on_cpu_refuses_adapter_lora_sync(capsys, family):
+    """vLLM's CPU build runs an MoE model's experts under enable_lora through a Triton kernel it does not have
+    (the first generate failed, tests/engine's job run with lora_sync=adapter): refused at config time."""
+    d = tiny_model(family=family)
+    lora = [
+        "worker.actor.model.lora.rank=8",
+        "worker.rollout.lora_sync=adapter",
+        "worker.rollout.dtype=bfloat16",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["configs/smoke.yaml", f"worker.actor.model.model_path={d}", *lora])
+    assert exit_info.value.code == 2
+    name = FAMILIES[family].name
+    assert capsys.readouterr().err.strip() == (
+        f"config error: worker.rollout.lora_sync=adapter: vLLM's CPU build cannot serve {name} with LoRA "
+        "adapters (its MoE layers then need Triton's kernel); use merged"
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
 def test_the_export_writes_the_published_expert_layout(tmp_path, family):
     """A checkpoint of the policy (transformers' memory layout, as the trainer saves it) exports to exactly
     the published-layout file the tiny model was built from (Qwen3-VL-MoE's transposed fused experts,

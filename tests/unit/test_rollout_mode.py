@@ -29,7 +29,10 @@ class Policy(nn.Module):
 
 
 def fake_engine(events: list, sleep_level: int) -> RolloutEngine:
-    worker = SimpleNamespace(reload_weights=True)
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "qkv": ["qkv"]}  # vLLM's, for LoRA and quantization
+    worker = SimpleNamespace(
+        reload_weights=True, get_model=lambda: SimpleNamespace(packed_modules_mapping=packed)
+    )
 
     def collective_rpc(method, kwargs):
         events.append(("push", sorted(name for name, _ in kwargs["weights_iterator"])))
@@ -110,6 +113,33 @@ def test_level_1_keeps_weights_and_skips_frozen(events):
     pushes = [e for e in events if e[0] == "push"]
     # A new engine holds none of the policy's weights; once it holds a version, frozen ones never change.
     assert pushes == [("push", ALL), ("push", TRAINABLE)]
+
+
+class PartlyAdapted(nn.Module):
+    """LoRA on q and v only (k frozen), both fused by vLLM into one `qkv_proj`; a frozen layer fused with nothing
+    sent (`frozen_attn`), and a frozen already-packed `qkv`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.ModuleDict({m: nn.Linear(2, 2) for m in ("q_proj", "k_proj", "v_proj")})
+        self.frozen_attn = nn.ModuleDict({m: nn.Linear(2, 2) for m in ("q_proj", "k_proj", "v_proj")})
+        self.visual = nn.ModuleDict({"qkv": nn.Linear(2, 2)})
+        self.requires_grad_(False)
+        self.attn.q_proj.requires_grad_(True)
+        self.attn.v_proj.requires_grad_(True)
+
+
+def test_frozen_weights_fused_with_sent_ones_are_sent_with_them(events):
+    """vLLM rebuilds a reloaded fused layer from empty memory: leaving out k_proj while q_proj and v_proj go to
+    `qkv_proj` would leave k's rows uninitialised in the engine (tests/engine: per-token logprob errors of
+    0.37 nats with LoRA on q_proj and v_proj before this)."""
+    engine, policy = fake_engine(events, sleep_level=1), PartlyAdapted()
+    for version in (0, 1):
+        with engine.rollout_mode(policy, version):
+            pass
+    pushes = [e[1] for e in events if e[0] == "push"]
+    assert len(pushes[0]) == 14
+    assert pushes[1] == sorted(f"attn.{m}_proj.{p}" for m in "qkv" for p in ("bias", "weight"))
 
 
 def test_sleeps_and_restores_when_generation_fails(events):
