@@ -201,7 +201,8 @@ class RolloutConfig:
     weight_sync_bucket_mb: c.Positive = 512
     """Size of one bucket of the weight push (a decoder layer or vision block is never split)."""
     lora_sync: Literal["merged", "adapter"] = "merged"
-    """With LoRA: `merged` pushes W + alpha / r * B A (any model); `adapter` the base once, then adapters."""
+    """With LoRA: `merged` pushes W + alpha / r * B A (any model); `adapter` the base once, then adapters
+    (not for an MoE model on the CPU: vLLM's MoE LoRA layer needs Triton)."""
     ignore_eos: c.Bool = False
     """Training rollouts run to `data.max_response_length` (vLLM's `ignore_eos`): for benchmarks only."""
     val_override: ValOverrideConfig = field(default_factory=ValOverrideConfig)
