@@ -14,12 +14,11 @@ from pydantic.dataclasses import dataclass
 import spmd_grpo.config.checks as c
 from spmd_grpo.config.workers import WorkerConfig
 
-BUILTINS = ", ".join("builtin:" + t for t in c.BUILTIN_DATASETS)
 DataSource = Annotated[
     c.NonEmpty,
     c.rule(
         lambda s: not s.startswith("builtin:") or s[8:] in c.BUILTIN_DATASETS,
-        f"unknown builtin data set; available: {BUILTINS}",
+        f"unknown builtin data set; available: {', '.join('builtin:' + t for t in c.BUILTIN_DATASETS)}",
     ),
 ]
 
@@ -165,7 +164,8 @@ class TrainerConfig:
     """Seeds the ranks' RNGs, the vLLM engines and the per-request sampling seeds."""
     val_freq: c.OffOrPositive = -1
     """Validate every N steps and after the last (-1: never)."""
-    val_before_train: c.Bool = Field(False, description="Validate once before the first step.")
+    val_before_train: c.Bool = False
+    """Validate once before the first step of a new run (not at a resume, where verl validates again)."""
     val_generations_to_log: c.NonNegative = 4
     """Validation generations sent to the loggers' tables."""
     save_freq: c.OffOrPositive = -1
