@@ -2,7 +2,9 @@
 `python -m spmd_grpo.launch ... -m spmd_grpo.train CONFIG ...` line under torchrun (2 ranks, gloo).
 
 Slurm cannot exist here, so `srun` and `scontrol` are the stand-ins of tests/conftest.py (`slurm_shims`) on
-PATH, on a one-node allocation, and the NPU script's CANN `set_env.sh` files are empty. The GPU template is
+PATH, on a one-node allocation, and the NPU script's CANN `set_env.sh` files are empty. The job's
+SLURM_EXPORT_ENV is NONE, as `sbatch --export=NONE` leaves it: srun then passes its tasks the SLURM_*
+variables only (the python on PATH among what is lost) unless the script asks for `--export=ALL`. The GPU template is
 run through a real 2-node training in tests/engine/test_launch.py. An unknown key
 given on the script's command line must come back as the config error naming it, once, from the launcher's
 check of `spmd_grpo.train`'s command line (what torchrun hands every rank), with exit code 2 and no
@@ -42,6 +44,7 @@ def slurm_env(slurm_shims, tmp_path_factory) -> dict[str, str]:
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "127.0.0.1",
         "SLURM_NNODES": "1",
+        "SLURM_EXPORT_ENV": "NONE",
         "ASCEND_TOOLKIT_HOME": str(root / "toolkit"),
         "ASCEND_NNAL_HOME": str(root / "nnal"),
     }
