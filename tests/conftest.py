@@ -300,11 +300,15 @@ exit 2
 """
 
 SRUN = r"""#!/bin/bash
-# Test shim for `srun --ntasks-per-node=1 --nodes=N [--kill-on-bad-exit=1] CMD...`: one copy of CMD per node.
+# Test shim for `srun [--export=ALL|NONE] --ntasks-per-node=1 --nodes=N [--kill-on-bad-exit=1] CMD...`: one copy
+# of CMD per node. The environment each copy gets follows srun's rule: --export, else SLURM_EXPORT_ENV (which
+# `sbatch --export=NONE` sets to NONE in the job), else ALL; NONE passes the SLURM_* variables only.
 nodes=${SLURM_NNODES:-1}
 kill_on_bad_exit=0
+export_env=${SLURM_EXPORT_ENV:-ALL}
 while [[ $# -gt 0 && $1 == -* ]]; do
     case $1 in
+        --export=ALL | --export=NONE) export_env=${1#*=} ;;
         --nodes=*) nodes=${1#*=} ;;
         --ntasks-per-node=1) ;;
         --kill-on-bad-exit=1) kill_on_bad_exit=1 ;;
@@ -312,10 +316,15 @@ while [[ $# -gt 0 && $1 == -* ]]; do
     esac
     shift
 done
+case $export_env in
+    ALL) environment=(env) ;;
+    NONE) mapfile -t slurm_vars < <(env | grep '^SLURM_'); environment=(env -i "${slurm_vars[@]}") ;;
+    *) echo "srun shim: unsupported SLURM_EXPORT_ENV=$export_env" >&2; exit 2 ;;
+esac
 pids=()
 for ((node = 0; node < nodes; node++)); do
-    echo "srun shim: starting node $node of $nodes: $*" >&2
-    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
+    echo "srun shim: starting node $node of $nodes (export $export_env): $*" >&2
+    "${environment[@]}" SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
     pids+=("$!")
 done
 rc=0

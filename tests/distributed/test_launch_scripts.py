@@ -2,13 +2,21 @@
 `python -m spmd_grpo.launch ... -m spmd_grpo.train CONFIG ...` line under torchrun (2 ranks, gloo).
 
 Slurm cannot exist here, so `srun` and `scontrol` are the stand-ins of tests/conftest.py (`slurm_shims`) on
-PATH, on a one-node allocation, and the NPU script's CANN `set_env.sh` files are empty. The GPU template is
-run through a real 2-node training in tests/engine/test_launch.py. An unknown key
-given on the script's command line must come back as the config error naming it, once, from the launcher's
-check of `spmd_grpo.train`'s command line (what torchrun hands every rank), with exit code 2 and no
-torchrun failure report: that proves the config path and the overrides reached it (after the NPU script's
-own `trainer.device=npu worker.rollout.sleep_level=1`, which are valid keys and which the command line may
-set again: a key given twice is refused).
+PATH, and the NPU script's CANN `set_env.sh` files are empty. The GPU template is run through a real 2-node
+training in tests/engine/test_launch.py. An unknown key given on `launch/local.sh`'s command line must come
+back as the config error naming it, once, from the launcher's check of `spmd_grpo.train`'s command line (what
+torchrun hands every rank), with exit code 2 and no torchrun failure report: that proves the config path and
+the overrides reached it.
+
+The NPU template runs on 2 "nodes" of 1 rank as a `--dry-run` (each rank plans the job and exits 0, no
+process group), which needs the two torchrun agents to meet first: the allocation's first host is 0.0.0.0,
+this machine under a name torchrun does not recognise as its own (as a node whose Slurm name resolves to
+another interface than its host name), so only the template's explicit `is_host` makes node 0 host the
+rendezvous store; and the job runs with `SLURM_EXPORT_ENV=NONE`, as `sbatch --export=NONE` leaves it, under
+which srun passes its tasks nothing but the SLURM_* variables unless told `--export=ALL` (the python on PATH
+would be gone). The overrides carry a mapping with a space and a list (quoting through the script, srun and
+torchrun) and set `worker.rollout.sleep_level` again after the script's own `trainer.device=npu
+worker.rollout.sleep_level=1` (a key given twice is refused); each rank's plan shows `trainer.device=npu`.
 
 A config error only the ranks find (here a reward file that fails to import only under torchrun, standing
 in for a file one node lacks) is said once, by rank 0, and the launcher exits 2 without torchrun's
@@ -47,13 +55,10 @@ def slurm_env(slurm_shims, tmp_path_factory) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("script", ["launch/local.sh", "launch/slurm/train_npu.sbatch"])
-def test_script_reaches_every_rank_with_config_and_overrides(script, slurm_env):
-    env = {**os.environ, **slurm_env, "PORT": str(free_port())}
-    # The NPU script's sleep_level given again: the user's value replaces its default, not a key set twice.
-    again = ["worker.rollout.sleep_level=2"] if script.endswith(".sbatch") else []
+def test_local_script_reaches_the_ranks_with_config_and_overrides(slurm_env):
+    env = {**os.environ, **slurm_env}
     proc = subprocess.run(
-        ["bash", script, "configs/smoke.yaml", *again, f"{UNKNOWN}=1"],
+        ["bash", "launch/local.sh", "configs/smoke.yaml", f"{UNKNOWN}=1"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -64,8 +69,38 @@ def test_script_reaches_every_rank_with_config_and_overrides(script, slurm_env):
     assert proc.returncode == 2, out[-3000:]
     assert out.count(f"config error: unknown config key {UNKNOWN}") == 1, out[-3000:]
     assert "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]
-    if script.endswith(".sbatch"):
-        assert "job 4242: 1 nodes x 2 ranks, rendezvous 127.0.0.1:" in out, out[-3000:]
+
+
+def test_npu_template_two_nodes_meet_with_the_job_environment_and_quoted_overrides(slurm_env):
+    env = {
+        **os.environ,
+        **slurm_env,
+        "SLURM_JOB_NODELIST": "0.0.0.0,0.0.0.0",
+        "SLURM_NNODES": "2",
+        "NPROC_PER_NODE": "1",
+        "SLURM_EXPORT_ENV": "NONE",
+        "PORT": str(free_port()),
+        "RDZV_JOIN_TIMEOUT": "60",
+    }
+    overrides = [
+        "worker.actor.optim={weight_decay: 0.0}",
+        "trainer.logger=[console,jsonl]",
+        "worker.rollout.sleep_level=2",
+    ]
+    proc = subprocess.run(
+        ["bash", "launch/slurm/train_npu.sbatch", "configs/qwen2_5_vl_7b_geo3k_grpo.yaml", *overrides, "--dry-run",
+         "--nnodes", "2", "--nproc-per-node", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "job 4242: 2 nodes x 1 ranks, rendezvous 0.0.0.0:" in out, out[-3000:]
+    assert out.count("plan: 2 nodes x 1 devices = world 2") == 2, out[-3000:]  # one per rank
+    assert out.count("off on Ascend NPUs") == 2, out[-3000:]  # the template's trainer.device=npu
 
 
 RANKS_ONLY_REWARD = """import os

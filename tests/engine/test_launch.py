@@ -3,11 +3,15 @@ on this machine (CPU, gloo, 4 ranks): FSDP2, one vLLM engine per rank, reference
 
 `launch/slurm/train_gpu.sbatch` is executed with bash exactly as sbatch would start it on the first node,
 with two shims first on PATH standing in for Slurm:
-  * `scontrol show hostnames LIST` prints one host per comma-separated entry (here 127.0.0.1 twice);
+  * `scontrol show hostnames LIST` prints one host per comma-separated entry (here 0.0.0.0 twice: this
+    machine under a name torchrun does not recognise as its own, so node 0 hosts the rendezvous store only
+    because the template says so);
   * `srun --ntasks-per-node=1 --nodes=N CMD...` really starts CMD N times in the background, with
     SLURM_NODEID / SLURM_PROCID / SLURM_LOCALID set per copy, waits for all of them and exits with the
-    largest exit code (with --kill-on-bad-exit it stops the other copies when one fails, as srun does).
-So two torchrun agents meet through the c10d rendezvous on 127.0.0.1:PORT, each starts NPROC_PER_NODE=2
+    largest exit code (with --kill-on-bad-exit it stops the other copies when one fails, as srun does); the
+    job's SLURM_EXPORT_ENV=NONE (`sbatch --export=NONE`) gives the copies only the SLURM_* variables unless
+    the template asks srun for --export=ALL.
+So two torchrun agents meet through the c10d rendezvous on 0.0.0.0:PORT, each starts NPROC_PER_NODE=2
 ranks, and the trainer (real FSDP2 + real vLLM CPU engine per rank) sees a world of 4.
 The template's device comes from the config (`trainer.device=cpu` here); the NCCL variables it sets are
 ignored by gloo.
@@ -85,8 +89,9 @@ def test_gpu_sbatch_template_two_nodes_write_every_metric(tiny_untied, slurm_shi
     env.update(
         PATH=f"{slurm_shims}{os.pathsep}{env['PATH']}",
         SLURM_JOB_ID="4242",
-        SLURM_JOB_NODELIST=",".join(["127.0.0.1"] * NUM_NODES),
+        SLURM_JOB_NODELIST=",".join(["0.0.0.0"] * NUM_NODES),
         SLURM_NNODES=str(NUM_NODES),
+        SLURM_EXPORT_ENV="NONE",
         NPROC_PER_NODE=str(NPROC_PER_NODE),
         VENV=str(REPO / ".venv"),
         PORT=str(free_port()),
