@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from spmd_grpo.config.loader import to_dict
 from spmd_grpo.config.schema import Config
 from spmd_grpo.parallel.collectives import World
-from spmd_grpo.telemetry.metrics import MetricsWriter, console_line
+from spmd_grpo.telemetry.metrics import MetricsWriter, console_line, json_line
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class JsonlLogger:
 
     def log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
         with self.generations.open("a") as f:
-            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+            f.writelines(json_line({"step": step, **row}) + "\n" for row in rows)
 
     def close(self) -> None:
         pass

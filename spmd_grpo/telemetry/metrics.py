@@ -57,6 +57,7 @@ Throughput and memory (`perf_metrics`, training steps only):
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -124,8 +125,17 @@ def global_means(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
     return {n: float(s / c) if c > 0 else 0.0 for n, (s, c) in zip(names, packed.tolist(), strict=True)}
 
 
+def json_line(row: dict[str, object]) -> str:
+    """`row` as one line of strict JSON: a non-finite float (the NaN grad norm of a skipped optimizer step)
+    is written as `null`, as Python's `NaN`/`Infinity` are not JSON and strict readers (jq, JavaScript,
+    Go, serde) reject the whole line."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    return json.dumps(finite, allow_nan=False)
+
+
 class MetricsWriter:
-    """Rank 0 appends one JSON line per step to `<run_dir>/metrics.jsonl` (flushed: a crash loses nothing)."""
+    """Rank 0 appends one JSON line per step to `<run_dir>/metrics.jsonl` (flushed: a crash loses nothing);
+    a non-finite value is `null` (`json_line`)."""
 
     def __init__(self, run_dir: Path, enabled: bool) -> None:
         self.enabled = enabled
@@ -137,7 +147,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json_line({"step": step, **metrics}) + "\n")
             f.flush()
 
 

@@ -42,7 +42,8 @@ PANELS: list[tuple[str, list[str], bool]] = [
 
 def read_metrics(path: Path) -> list[dict]:
     """The rows of a metrics.jsonl, one per step (a repeated step keeps its last row), in step order. A last
-    line that does not parse is a row being written and is left out; a bad line before it is an error."""
+    line that does not parse is a row being written and is left out; a bad line before it, or a row without
+    a `step`, is an error. A `null` value (a non-finite figure, see metrics.py) is left out of its row."""
     lines = path.read_text().splitlines()
     rows: dict[int, dict] = {}
     for number, line in enumerate(lines, 1):
@@ -54,7 +55,9 @@ def read_metrics(path: Path) -> list[dict]:
             if number == len(lines):
                 break
             raise ValueError(f"{path}:{number}: not a JSON line") from None
-        rows[int(row["step"])] = row
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{number}: no integer `step` in the row")
+        rows[row["step"]] = {k: v for k, v in row.items() if v is not None}
     return [rows[step] for step in sorted(rows)]
 
 

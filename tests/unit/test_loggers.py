@@ -170,6 +170,27 @@ def test_jsonl_rows_tables_and_resume(tmp_path):
     assert [json.loads(line)["step"] for line in moved] == [3, 3]
 
 
+def _strict_json(line: str) -> dict:
+    def refuse(name: str) -> float:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_jsonl_rows_are_strict_json_with_a_non_finite_value(tmp_path):
+    # A skipped optimizer step logs its non-finite grad norm: Python's `NaN` literal would make the row
+    # unreadable to strict JSON readers (jq, JavaScript), so it is written as null.
+    cfg, loggers = _loggers(tmp_path, "jsonl")
+    loggers.log(
+        1, {"actor/grad_norm": float("nan"), "actor/pg_loss": float("-inf"), "critic/score/mean": 0.5}
+    )
+    loggers.log_table(1, [{**ROWS[0], "score": float("inf")}])
+    row = _strict_json((cfg.run_dir / "metrics.jsonl").read_text())
+    assert row == {"step": 1, "actor/grad_norm": None, "actor/pg_loss": None, "critic/score/mean": 0.5}
+    table = _strict_json((cfg.run_dir / "val_generations.jsonl").read_text())
+    assert table == {"step": 1, **ROWS[0], "score": None}
+
+
 def test_jsonl_rollback_after_a_torn_write_and_on_a_restart_at_step_0(tmp_path):
     cfg, loggers = _loggers(tmp_path, "jsonl")
     for step in (0, 1, 2, 3):

@@ -112,3 +112,14 @@ def test_nothing_to_plot_yet(tmp_path, capsys):
     assert main([str(run)]) == 1
     assert capsys.readouterr().out == f"report: {run / 'metrics.jsonl'}: no complete step yet\n"
     assert not (run / "report.png").exists()
+
+
+def test_a_null_value_is_left_out_and_a_row_without_a_step_is_an_error(tmp_path, capsys):
+    run = _write_run(tmp_path / "run", 2, tail=json.dumps({**_row(3), "critic/score/mean": None}) + "\n")
+    rows = read_metrics(run / "metrics.jsonl")
+    assert "critic/score/mean" not in rows[-1]
+    assert series(rows, "critic/score/mean")["critic/score/mean"][0] == [1, 2]
+    assert summary(rows)[0] == "3 training steps logged (last step 3)"
+    (run / "metrics.jsonl").write_text('{"critic/score/mean": 0.2}\n')
+    assert main([str(run)]) == 1
+    assert capsys.readouterr().out == f"report: {run / 'metrics.jsonl'}:1: no integer `step` in the row\n"
