@@ -7,13 +7,15 @@ Metrics (global over ranks), N = `worker.rollout.val_override.n` samples per pro
   timing_s/testing                      added by the caller (it also holds the weight push before generating)
 verl's names and values: its core variable is `acc` when the reward returns one and `reward` (the summed
 token scores) otherwise, as here; its mean@N is the mean over prompts of each prompt's mean over its N
-samples, which equals the mean over samples here because every prompt has exactly N. verl also logs
+samples, which equals the mean over samples here because every prompt has exactly N. verl picks the core
+variable per data source; here one for the whole set (every source gets the same reward keys). verl also logs
 `std@N`, `best@k`, `worst@k` and `maj@k` (bootstrapped) and a `val-aux/` copy of every other reward key per
 source; those are not computed (`val/reward/<key>` is this trainer's own name, over all sources).
 Sampling uses `worker.rollout.val_override` (verl: temperature 0.6, top_p 0.95, n 1 in the geo3k recipes)
 with its own per-request seeds (`VAL_SEED_OFFSET`), so validation never consumes or shifts the training
 samples' randomness. Each rank validates a strided share of the set (rank r takes examples r, r + world,
-...), in generation batches of `batch_size` prompts over all ranks (`data.val_batch_size`; -1: one batch),
+...), in generation batches of `batch_size` prompts over all ranks (`data.val_batch_size`; -1: one batch;
+a rank takes ceil(batch_size / world) of them, so a batch_size that the world does not divide is rounded up),
 every rank running the same number of batches (the ranks of a TP group gather each batch together). The
 first `num_logged` generations of the set (example, then sample: the same at any world size) go to
 `log_generations(step, rows)` on rank 0 (the loggers' tables: val_generations.jsonl, wandb, ...). The

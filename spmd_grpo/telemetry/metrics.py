@@ -21,6 +21,10 @@ verl's `compute_data_metrics` (the score of everything generated is `train/gen_s
                               With top_p < 1 or top_k > 0 it also holds the log of the probability mass
                               vLLM's sampler kept (its logprobs are renormalised after truncation)
     perf/total_num_tokens     prompt + response tokens of the trained samples (verl's `global_token_num`)
+Not logged although verl's `compute_data_metrics` and `compute_timing_metrics` have them:
+`critic/returns/*` (for GRPO the same values as `critic/advantages/*`), `prompt_length/clip_ratio` (no
+prompt is truncated: a longer one is dropped at load) and
+`timing_per_token_ms/*` (derive them from `timing_s/*` and the lengths).
 Timings (`Timer`): wall seconds per phase with the device synchronised at both edges, summed over the
 calls of the step (DAPO's generation batches), then the max over ranks (the slowest rank sets the pace,
 as verl's driver sees it):
