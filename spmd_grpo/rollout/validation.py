@@ -10,7 +10,8 @@ token scores) otherwise, as here; its mean@N is the mean over prompts of each pr
 samples, which equals the mean over samples here because every prompt has exactly N. verl picks the core
 variable per data source; here one for the whole set (every source gets the same reward keys). verl also logs
 `std@N`, `best@k`, `worst@k` and `maj@k` (bootstrapped) and a `val-aux/` copy of every other reward key per
-source; those are not computed (`val/reward/<key>` is this trainer's own name, over all sources).
+source; those are not computed (`val/reward/<key>` is this trainer's own name, over all sources: EasyR1
+calls it `val/<key>_reward`, and its `val/reward_score` is `val/reward/overall`).
 Sampling uses `worker.rollout.val_override` (verl: temperature 0.6, top_p 0.95, n 1 in the geo3k recipes)
 with its own per-request seeds (`VAL_SEED_OFFSET`), so validation never consumes or shifts the training
 samples' randomness. Each rank validates a strided share of the set (rank r takes examples r, r + world,

@@ -15,7 +15,8 @@ verl's `compute_data_metrics` (the score of everything generated is `train/gen_s
                               rejection mask removes them)
     response_length/*, prompt_length/*  per sample; prompt = vLLM's expanded ids (image pads included)
     response_length/clip_ratio  fraction of responses of max_response_length tokens; p50/p90: ours
-    reward/<key>              per-sample mean of each reward key but `overall`
+    reward/<key>              per-sample mean of each reward key but `overall` (EasyR1 also logs
+                              `reward/overall`: here `critic/score/mean`, equal when the overlong penalty is off)
     rollout/logprob_diff_*    |trainer old logprob - vLLM logprob| per response token: token-mean and max
                               (ours; verl's `training/rollout_probs_diff_*` compare probabilities instead).
                               With top_p < 1 or top_k > 0 it also holds the log of the probability mass
