@@ -45,7 +45,7 @@ class DataConfig:
     rollout_batch_size: c.Positive = 16
     """Prompts drawn per step across all ranks; each yields worker.rollout.n samples."""
     val_batch_size: c.OffOrPositive = -1
-    """Validation prompts per generation batch over all ranks (-1: the whole validation set at once)."""
+    """Validation prompts per generation batch, rounded up to a multiple of the world size (-1: all)."""
     val_max_samples: c.OffOrPositive = -1
     """Validate on the first N examples of the validation set (-1: all)."""
     min_pixels: c.Positive = 3136

@@ -170,7 +170,7 @@ class ValOverrideConfig:
     def __post_init__(self) -> None:
         c.require(
             self.temperature > 0 or self.n == 1,
-            f"n must be 1 with temperature 0 (greedy: vLLM refuses n > 1), got {self.n}",
+            f"n must be 1 with temperature 0 (greedy: every sample would be the same), got {self.n}",
         )
 
 
