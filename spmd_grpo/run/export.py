@@ -24,6 +24,10 @@ What is written:
   * no optimizer state (DCP keys under `optim.`).
   * `config.json` (its dtype set to the export dtype), `generation_config.json` and the tokenizer/processor
     files, copied from `model_path` as recorded in the checkpoint's trainer_state.json (or `--model-path`).
+
+OUT_DIR may hold a previous export: its weight files (and a previous adapter export's files, which
+transformers would apply on top) are replaced, anything else is left. The base model's own directory is
+refused as OUT_DIR or `--merged`, and so is one directory for both the adapter and the merged model.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from spmd_grpo.models.families import family_of_model_path
+from spmd_grpo.models.lora import ADAPTER_CONFIG, ADAPTER_FILE
 from spmd_grpo.models.weights import INDEX, hf_name
 from spmd_grpo.parallel.devices import DTYPES
 from spmd_grpo.run.checkpoint_dirs import TRAINER_STATE, missing_parts
@@ -148,8 +153,11 @@ def export_hf(
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     model_path = _check_request(ckpt, dtype, shard_size_mb, model_path=model_path)
     src = _source_dir(model_path)
+    merged = Path(merged) if merged is not None else None
+    _check_outputs(out, merged, src)
     if adapter_keys(ckpt):
-        merged = Path(merged) if merged is not None else None
+        if merged is not None:
+            _remove_stale_weights(merged)
         return export_adapter(
             ckpt,
             out,
@@ -220,9 +228,26 @@ def _model_entries(ckpt: Path, src: Path, *, tie: bool) -> list[tuple[str, str, 
     return entries
 
 
+def _check_outputs(out: Path, merged: Path | None, src: Path) -> None:
+    """Refuse output directories whose writing would destroy the base model or give a model that loads wrong."""
+    for flag, d in (("OUT_DIR", out), ("--merged", merged)):
+        if d is not None and d.resolve() == src.resolve():
+            raise ValueError(
+                f"{flag} {d} is the base model directory: the export would overwrite its weights"
+            )
+    if merged is not None and merged.resolve() == out.resolve():
+        raise ValueError(
+            f"--merged {merged} is OUT_DIR: transformers would apply the adapter written there to the merged "
+            "weights a second time"
+        )
+
+
 def _remove_stale_weights(out: Path) -> None:
-    """Delete weight files (and an index) a previous export left in `out`: they would mix with the new ones."""
+    """Delete weight files (and an index) a previous export left in `out`: they would mix with the new ones. A
+    previous adapter export's files too: transformers' `from_pretrained` applies an adapter it finds in the
+    model's directory on top of the weights."""
     stale = sorted(out.glob("model*.safetensors")) + sorted(out.glob(INDEX))
+    stale += [out / name for name in (ADAPTER_FILE, ADAPTER_CONFIG) if (out / name).is_file()]
     if stale:
         log.warning("replacing the weights already in %s: %s", out, [p.name for p in stale])
         for p in stale:
