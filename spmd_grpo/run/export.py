@@ -90,16 +90,24 @@ def _source_weight_names(src: Path) -> set[str] | None:
     return names
 
 
-def _match_source_naming(names: list[str], source: set[str] | None, src: Path) -> list[str]:
-    """The in-memory names if the base checkpoint uses them (Qwen3-VL), else the family's on-disk names."""
-    if source is None or set(names) <= source:
-        return names
+def _match_source_naming(names: dict[str, torch.Size], source: set[str] | None, src: Path) -> list[str]:
+    """The in-memory names (`names`: name -> shape) if the base checkpoint uses them (Qwen3-VL), else the
+    family's on-disk names; compared as written, after the family's expert layout (Qwen3.5-MoE's fused
+    experts become one tensor per expert)."""
     family = family_of_model_path(str(src))
-    on_disk = [family.on_disk_name(n) for n in names] if family else names
-    if set(on_disk) <= source:
-        return on_disk
+
+    def written(rename) -> set[str]:
+        if family is None:
+            return {rename(n) for n in names}
+        meta = {n: torch.empty(size, device="meta") for n, size in names.items()}
+        return {h for n, t in meta.items() for h, _ in family.hub_tensors(rename(n), t)}
+
+    if source is None or written(lambda n: n) <= source:
+        return list(names)
+    if family is not None and written(family.on_disk_name) <= source:
+        return [family.on_disk_name(n) for n in names]
     log.warning("parameter names match neither naming of the base checkpoint; writing in-memory names")
-    return names
+    return list(names)
 
 
 def _plan_shards(
@@ -221,7 +229,8 @@ def _model_entries(ckpt: Path, src: Path, *, tie: bool) -> list[tuple[str, str, 
     assert len(named) == len(keys), "two checkpoint entries map to one HF name"
     if tie:
         named.pop("lm_head.weight", None)  # re-tied to the embeddings on load
-    names = _match_source_naming(list(named), _source_weight_names(src), src)
+    sizes = {n: metadata[k].size for n, k in named.items()}
+    names = _match_source_naming(sizes, _source_weight_names(src), src)
     entries = [(k, n, metadata[k]) for k, n in zip(named.values(), names, strict=True)]
     if not entries:
         raise ValueError(f"{ckpt} holds no model tensors (DCP keys starting with {MODEL_PREFIX!r})")
