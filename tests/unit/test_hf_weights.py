@@ -182,3 +182,33 @@ def test_a_merged_weight_is_computed_where_the_gathered_base_is():
     a, b = torch.ones(2, 5), torch.ones(6, 2)
     merged = merged_weight(base, (a, b, 0.5))
     assert merged.device.type == "meta" and merged.dtype == torch.bfloat16 and merged.shape == (6, 5)
+
+
+def test_the_export_copies_the_tokenizer_and_chat_template_the_run_trained_with(tmp_path):
+    """A run with `worker.actor.model.tokenizer_path` tokenised its prompts (chat template included) with
+    that directory's files: the export takes them from there, and the model's own configs from the base."""
+    import torch.distributed.checkpoint as dcp
+    import yaml
+
+    from spmd_grpo.run.export import export_hf
+    from tests.conftest import checkpoint_stand_in
+
+    base = checkpoint_stand_in(tmp_path / "base")
+    (base / "generation_config.json").write_text('{"eos_token_id": 1}')
+    tokenizer = checkpoint_stand_in(tmp_path / "tokenizer", '{"model_type": "other"}')
+    (tokenizer / "chat_template.jinja").write_text("{{ 'the run' }}")
+    (tokenizer / "tokenizer.json").write_text('{"run": 1}')
+    (tokenizer / "generation_config.json").write_text('{"eos_token_id": 2}')
+    ckpt = tmp_path / "global_step_1"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.save({"model": {"hf.weight": torch.ones(1)}}, checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "model_path": str(base)}))
+    saved = {"worker": {"actor": {"model": {"model_path": str(base), "tokenizer_path": str(tokenizer)}}}}
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(saved))
+
+    out = export_hf(ckpt, tmp_path / "hf", "float32")
+    assert (out / "chat_template.jinja").read_text() == "{{ 'the run' }}"
+    assert (out / "tokenizer.json").read_text() == '{"run": 1}'
+    assert (out / "generation_config.json").read_text() == '{"eos_token_id": 1}'
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2_5_vl"
