@@ -27,8 +27,8 @@ What is written:
     with a `worker.actor.model.tokenizer_path` in the checkpoint's config.yaml (or `--tokenizer-path`), its
     tokenizer, processor and chat template files replace the base model's: they are what the run trained with.
 
-OUT_DIR may hold a previous export: its weight files (and a previous adapter export's files, which
-transformers would apply on top) are replaced, anything else is left. The base model's own directory is
+OUT_DIR may hold a previous export: its weight files, model or adapter (transformers' `from_pretrained` of a
+directory holding both applies the adapter on top of those weights), are removed, anything else is left. The base model's own directory is
 refused as OUT_DIR or `--merged`, and so is one directory for both the adapter and the merged model.
 """
 
@@ -171,6 +171,7 @@ def export_hf(
     merged = Path(merged) if merged is not None else None
     _check_outputs(out, merged, src)
     if adapter_keys(ckpt):
+        _remove_stale_weights(out)  # a full export's weights there would load with the adapter on top
         if merged is not None:
             _remove_stale_weights(merged)
         return export_adapter(

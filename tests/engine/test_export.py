@@ -262,8 +262,9 @@ def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(export
 
 def test_export_keeps_the_base_model_and_drops_a_stale_adapter(saved_checkpoints, tmp_path):
     """An export never writes into the base model's directory (it would overwrite the weights the run reads),
-    nor the adapter and the merged model into one directory; a full export over a previous adapter export
-    removes the adapter files, which transformers would otherwise apply on top of the exported weights."""
+    nor the adapter and the merged model into one directory; an export over a previous one of the other kind
+    (full over adapter, adapter over full) removes the other's weight files, which transformers would otherwise
+    load together (the adapter applied on top of the weights)."""
     import shutil
 
     from transformers import AutoModelForImageTextToText
@@ -287,3 +288,5 @@ def test_export_keeps_the_base_model_and_drops_a_stale_adapter(saved_checkpoints
     trained = torch.load(full.parents[2] / "save.pt", weights_only=False)["at_save"]["params"]
     params = dict(AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).named_parameters())
     assert all(torch.equal(params[n].detach(), t) for n, t in trained.items())
+    export_hf(lora, out, "float32")
+    assert not list(out.glob("model*.safetensors")) and (out / "adapter_model.safetensors").is_file()
