@@ -64,14 +64,17 @@ NOT_COPIED = {INDEX, "pytorch_model.bin.index.json", TRAINER_STATE}
 MODEL_FILES = {"config.json", "generation_config.json"}  # the model's, never a tokenizer directory's
 
 
-def _source_dir(model_path: str, key: str = "model_path", flag: str = "--model-path") -> Path:
-    """Local directory of the base model: `model_path` itself, or its hub snapshot (configs/tokenizer only)."""
+def _source_dir(
+    model_path: str, key: str = "model_path", flag: str = "--model-path", *, weights: bool = False
+) -> Path:
+    """Local directory of the base model: `model_path` itself, or its hub snapshot (configs/tokenizer only;
+    with `weights`, its safetensors too: a merge reads the base weights)."""
     if Path(model_path).is_dir():
         return Path(model_path)
     try:
         from huggingface_hub import snapshot_download
 
-        patterns = [f"*{s}" for s in SIDE_FILE_SUFFIXES]
+        patterns = [f"*{s}" for s in SIDE_FILE_SUFFIXES] + (["*.safetensors"] if weights else [])
         return Path(snapshot_download(model_path, allow_patterns=patterns))
     except Exception as e:
         raise ValueError(
@@ -165,7 +168,7 @@ def export_hf(
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     model_path = _check_request(ckpt, dtype, shard_size_mb, model_path=model_path)
-    src = _source_dir(model_path)
+    src = _source_dir(model_path, weights=merged is not None)
     tokenizer_path = tokenizer_path or _saved_tokenizer_path(ckpt)
     tokenizer = _source_dir(tokenizer_path, "tokenizer_path", "--tokenizer-path") if tokenizer_path else None
     merged = Path(merged) if merged is not None else None
