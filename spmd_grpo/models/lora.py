@@ -45,6 +45,7 @@ ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 ADAPTER_KEYS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
 BASE_LAYER = ".base_layer."
 ADAPTER_FILE = "adapter_model.safetensors"  # a PEFT adapter directory's weights
+ADAPTER_CONFIG = "adapter_config.json"  # ... and its settings (written by PEFT's `save_pretrained`)
 
 
 def is_adapter_name(name: str) -> bool:

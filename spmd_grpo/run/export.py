@@ -1,7 +1,7 @@
 """Export a training checkpoint as a Hugging Face model directory (transformers / vLLM load it directly).
 
     python -m spmd_grpo.export CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--model-path DIR] [--shard-size-mb 2048]
-                               [--merged MERGED_DIR]
+                               [--merged MERGED_DIR] [--tokenizer-path DIR]
 
 A LoRA checkpoint (adapters only) is written as a PEFT adapter directory instead, and with `--merged` also
 as the merged HF model (run/export_lora.py).
@@ -23,7 +23,13 @@ What is written:
   * no `lm_head.weight` when the config ties word embeddings (transformers and vLLM re-tie it).
   * no optimizer state (DCP keys under `optim.`).
   * `config.json` (its dtype set to the export dtype), `generation_config.json` and the tokenizer/processor
-    files, copied from `model_path` as recorded in the checkpoint's trainer_state.json (or `--model-path`).
+    files, copied from `model_path` as recorded in the checkpoint's trainer_state.json (or `--model-path`);
+    with a `worker.actor.model.tokenizer_path` in the checkpoint's config.yaml (or `--tokenizer-path`), its
+    tokenizer, processor and chat template files replace the base model's: they are what the run trained with.
+
+OUT_DIR may hold a previous export: its weight files, model or adapter (transformers' `from_pretrained` of a
+directory holding both applies the adapter on top of those weights), are removed, anything else is left. The base model's own directory is
+refused as OUT_DIR or `--merged`, and so is one directory for both the adapter and the merged model.
 """
 
 from __future__ import annotations
@@ -38,14 +44,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from spmd_grpo.models.families import family_of_model_path
+from spmd_grpo.models.lora import ADAPTER_CONFIG, ADAPTER_FILE
 from spmd_grpo.models.weights import INDEX, hf_name
 from spmd_grpo.parallel.devices import DTYPES
-from spmd_grpo.run.checkpoint_dirs import TRAINER_STATE, missing_parts
+from spmd_grpo.run.checkpoint_dirs import CONFIG, TRAINER_STATE, missing_parts
 from spmd_grpo.run.export_lora import MODEL_PREFIX, adapter_keys, export_adapter
 
 log = logging.getLogger(__name__)
@@ -53,21 +61,25 @@ log = logging.getLogger(__name__)
 # Everything a model directory needs besides its weights (configs, tokenizer, processor, chat template, code).
 SIDE_FILE_SUFFIXES = {".json", ".txt", ".jinja", ".model", ".tiktoken", ".py"}
 NOT_COPIED = {INDEX, "pytorch_model.bin.index.json", TRAINER_STATE}
+MODEL_FILES = {"config.json", "generation_config.json"}  # the model's, never a tokenizer directory's
 
 
-def _source_dir(model_path: str) -> Path:
-    """Local directory of the base model: `model_path` itself, or its hub snapshot (configs/tokenizer only)."""
+def _source_dir(
+    model_path: str, key: str = "model_path", flag: str = "--model-path", *, weights: bool = False
+) -> Path:
+    """Local directory of the base model: `model_path` itself, or its hub snapshot (configs/tokenizer only;
+    with `weights`, its safetensors too: a merge reads the base weights)."""
     if Path(model_path).is_dir():
         return Path(model_path)
     try:
         from huggingface_hub import snapshot_download
 
-        patterns = [f"*{s}" for s in SIDE_FILE_SUFFIXES]
+        patterns = [f"*{s}" for s in SIDE_FILE_SUFFIXES] + (["*.safetensors"] if weights else [])
         return Path(snapshot_download(model_path, allow_patterns=patterns))
     except Exception as e:
         raise ValueError(
-            f"model_path {model_path!r} is not a directory and could not be fetched from the hub ({e}); "
-            "pass --model-path with the base model's directory"
+            f"{key} {model_path!r} is not a directory and could not be fetched from the hub ({e}); "
+            f"pass {flag} with its directory"
         ) from e
 
 
@@ -85,16 +97,24 @@ def _source_weight_names(src: Path) -> set[str] | None:
     return names
 
 
-def _match_source_naming(names: list[str], source: set[str] | None, src: Path) -> list[str]:
-    """The in-memory names if the base checkpoint uses them (Qwen3-VL), else the family's on-disk names."""
-    if source is None or set(names) <= source:
-        return names
+def _match_source_naming(names: dict[str, torch.Size], source: set[str] | None, src: Path) -> list[str]:
+    """The in-memory names (`names`: name -> shape) if the base checkpoint uses them (Qwen3-VL), else the
+    family's on-disk names; compared as written, after the family's expert layout (Qwen3.5-MoE's fused
+    experts become one tensor per expert)."""
     family = family_of_model_path(str(src))
-    on_disk = [family.on_disk_name(n) for n in names] if family else names
-    if set(on_disk) <= source:
-        return on_disk
+
+    def written(rename) -> set[str]:
+        if family is None:
+            return {rename(n) for n in names}
+        meta = {n: torch.empty(size, device="meta") for n, size in names.items()}
+        return {h for n, t in meta.items() for h, _ in family.hub_tensors(rename(n), t)}
+
+    if source is None or written(lambda n: n) <= source:
+        return list(names)
+    if family is not None and written(family.on_disk_name) <= source:
+        return [family.on_disk_name(n) for n in names]
     log.warning("parameter names match neither naming of the base checkpoint; writing in-memory names")
-    return names
+    return list(names)
 
 
 def _plan_shards(
@@ -140,6 +160,7 @@ def export_hf(
     model_path: str | None = None,
     shard_size_mb: int = 2048,
     merged: Path | str | None = None,
+    tokenizer_path: str | None = None,
 ) -> Path:
     """Write the checkpoint's policy as an HF model directory at `out_dir` (see the module docstring); a LoRA
     checkpoint as a PEFT adapter directory (and the merged model at `merged`)."""
@@ -147,9 +168,15 @@ def export_hf(
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     model_path = _check_request(ckpt, dtype, shard_size_mb, model_path=model_path)
-    src = _source_dir(model_path)
+    src = _source_dir(model_path, weights=merged is not None)
+    tokenizer_path = tokenizer_path or _saved_tokenizer_path(ckpt)
+    tokenizer = _source_dir(tokenizer_path, "tokenizer_path", "--tokenizer-path") if tokenizer_path else None
+    merged = Path(merged) if merged is not None else None
+    _check_outputs(out, merged, src)
     if adapter_keys(ckpt):
-        merged = Path(merged) if merged is not None else None
+        _remove_stale_weights(out)  # a full export's weights there would load with the adapter on top
+        if merged is not None:
+            _remove_stale_weights(merged)
         return export_adapter(
             ckpt,
             out,
@@ -157,7 +184,7 @@ def export_hf(
             model_path=model_path,
             src=src,
             merged=merged,
-            side_files=lambda d: (_copy_side_files(src, d), _write_config(src, d, dtype)),
+            side_files=lambda d: (_copy_side_files(src, d, tokenizer), _write_config(src, d, dtype)),
         )
     if merged is not None:
         raise ValueError(f"--merged is for LoRA checkpoints; {ckpt} holds the whole policy already")
@@ -170,7 +197,7 @@ def export_hf(
     family = family_of_model_path(str(src))
     layout = family.hub_tensors if family is not None else (lambda name, t: [(name, t)])
     weight_map, total_size = _write_shards(ckpt, out, shards, torch_dtype, layout)
-    _copy_side_files(src, out)
+    _copy_side_files(src, out, tokenizer)
     _write_config(src, out, dtype)
     log.info(
         "exported %s -> %s: %d tensors, %.1f MB in %d file(s), %s%s",
@@ -213,16 +240,34 @@ def _model_entries(ckpt: Path, src: Path, *, tie: bool) -> list[tuple[str, str, 
     assert len(named) == len(keys), "two checkpoint entries map to one HF name"
     if tie:
         named.pop("lm_head.weight", None)  # re-tied to the embeddings on load
-    names = _match_source_naming(list(named), _source_weight_names(src), src)
+    sizes = {n: metadata[k].size for n, k in named.items()}
+    names = _match_source_naming(sizes, _source_weight_names(src), src)
     entries = [(k, n, metadata[k]) for k, n in zip(named.values(), names, strict=True)]
     if not entries:
         raise ValueError(f"{ckpt} holds no model tensors (DCP keys starting with {MODEL_PREFIX!r})")
     return entries
 
 
+def _check_outputs(out: Path, merged: Path | None, src: Path) -> None:
+    """Refuse output directories whose writing would destroy the base model or give a model that loads wrong."""
+    for flag, d in (("OUT_DIR", out), ("--merged", merged)):
+        if d is not None and d.resolve() == src.resolve():
+            raise ValueError(
+                f"{flag} {d} is the base model directory: the export would overwrite its weights"
+            )
+    if merged is not None and merged.resolve() == out.resolve():
+        raise ValueError(
+            f"--merged {merged} is OUT_DIR: transformers would apply the adapter written there to the merged "
+            "weights a second time"
+        )
+
+
 def _remove_stale_weights(out: Path) -> None:
-    """Delete weight files (and an index) a previous export left in `out`: they would mix with the new ones."""
+    """Delete weight files (and an index) a previous export left in `out`: they would mix with the new ones. A
+    previous adapter export's files too: transformers' `from_pretrained` applies an adapter it finds in the
+    model's directory on top of the weights."""
     stale = sorted(out.glob("model*.safetensors")) + sorted(out.glob(INDEX))
+    stale += [out / name for name in (ADAPTER_FILE, ADAPTER_CONFIG) if (out / name).is_file()]
     if stale:
         log.warning("replacing the weights already in %s: %s", out, [p.name for p in stale])
         for p in stale:
@@ -263,8 +308,9 @@ def _write_shards(
     return weight_map, total_size
 
 
-def _copy_side_files(src: Path, out: Path) -> None:
-    """Copy the base model's configs, tokenizer and processor files (config.json is rewritten separately)."""
+def _copy_side_files(src: Path, out: Path, tokenizer: Path | None = None) -> None:
+    """Copy the base model's configs, tokenizer and processor files (config.json is rewritten separately),
+    then the tokenizer and processor files of the run's `tokenizer_path` over them (the ones it trained with)."""
     for f in sorted(src.iterdir()):
         if (
             f.is_file()
@@ -273,6 +319,21 @@ def _copy_side_files(src: Path, out: Path) -> None:
             and f.name != "config.json"
         ):
             shutil.copy2(f, out / f.name)
+    for f in sorted(tokenizer.iterdir()) if tokenizer is not None else []:
+        if (
+            f.is_file()
+            and f.suffix in SIDE_FILE_SUFFIXES - {".py"}
+            and f.name not in NOT_COPIED | MODEL_FILES
+        ):
+            shutil.copy2(f, out / f.name)
+
+
+def _saved_tokenizer_path(ckpt: Path) -> str | None:
+    """The run's `worker.actor.model.tokenizer_path`, from the config saved with the checkpoint."""
+    if not (ckpt / CONFIG).is_file():
+        return None
+    saved = yaml.safe_load((ckpt / CONFIG).read_text()) or {}
+    return saved.get("worker", {}).get("actor", {}).get("model", {}).get("tokenizer_path")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -281,6 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--model-path", default=None, help="base model directory (default: the one recorded)")
+    ap.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="tokenizer/processor directory (default: the run's, if it set one)",
+    )
     ap.add_argument("--shard-size-mb", type=int, default=2048, help="largest safetensors file (MB)")
     ap.add_argument(
         "--merged", type=Path, default=None, help="LoRA checkpoints: also write the merged model here"
@@ -295,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
             model_path=args.model_path,
             shard_size_mb=args.shard_size_mb,
             merged=args.merged,
+            tokenizer_path=args.tokenizer_path,
         )
     except ValueError as e:
         print(f"export error: {e}", file=sys.stderr)

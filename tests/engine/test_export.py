@@ -258,3 +258,35 @@ def test_lora_export_is_a_peft_adapter_that_peft_and_vllm_load_and_merges(export
     for key, want in (("base", base_lp), ("lora", peft_lp)):
         got = found["vllm"][key]["first_logprobs"]
         assert max(abs(lp - want[int(t)].item()) for t, lp in got.items()) < 1e-3, (key, got)
+
+
+def test_export_keeps_the_base_model_and_drops_a_stale_adapter(saved_checkpoints, tmp_path):
+    """An export never writes into the base model's directory (it would overwrite the weights the run reads),
+    nor the adapter and the merged model into one directory; an export over a previous one of the other kind
+    (full over adapter, adapter over full) removes the other's weight files, which transformers would otherwise
+    load together (the adapter applied on top of the weights)."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = tiny_model()
+    full = saved_checkpoints(model_dir) / "run" / "checkpoints" / "global_step_2"
+    lora = saved_checkpoints(model_dir, lora_rank=LORA_RANK) / "run" / "checkpoints" / "global_step_2"
+    base = shutil.copytree(model_dir, tmp_path / "base")
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    with pytest.raises(ValueError, match="is the base model directory"):
+        export_hf(full, base, "float32", model_path=str(base))
+    with pytest.raises(ValueError, match="is the base model directory"):
+        export_hf(lora, tmp_path / "adapter", "float32", model_path=str(base), merged=base)
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+    with pytest.raises(ValueError, match="is OUT_DIR"):
+        export_hf(lora, tmp_path / "both", "float32", merged=tmp_path / "both")
+
+    out = export_hf(lora, tmp_path / "out", "float32")  # an adapter export, then the full one over it
+    export_hf(full, out, "float32")
+    assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
+    trained = torch.load(full.parents[2] / "save.pt", weights_only=False)["at_save"]["params"]
+    params = dict(AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).named_parameters())
+    assert all(torch.equal(params[n].detach(), t) for n, t in trained.items())
+    export_hf(lora, out, "float32")
+    assert not list(out.glob("model*.safetensors")) and (out / "adapter_model.safetensors").is_file()

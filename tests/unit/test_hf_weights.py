@@ -182,3 +182,78 @@ def test_a_merged_weight_is_computed_where_the_gathered_base_is():
     a, b = torch.ones(2, 5), torch.ones(6, 2)
     merged = merged_weight(base, (a, b, 0.5))
     assert merged.device.type == "meta" and merged.dtype == torch.bfloat16 and merged.shape == (6, 5)
+
+
+def test_the_export_copies_the_tokenizer_and_chat_template_the_run_trained_with(tmp_path):
+    """A run with `worker.actor.model.tokenizer_path` tokenised its prompts (chat template included) with
+    that directory's files: the export takes them from there, and the model's own configs from the base."""
+    import torch.distributed.checkpoint as dcp
+    import yaml
+
+    from spmd_grpo.run.export import export_hf
+    from tests.conftest import checkpoint_stand_in
+
+    base = checkpoint_stand_in(tmp_path / "base")
+    (base / "generation_config.json").write_text('{"eos_token_id": 1}')
+    tokenizer = checkpoint_stand_in(tmp_path / "tokenizer", '{"model_type": "other"}')
+    (tokenizer / "chat_template.jinja").write_text("{{ 'the run' }}")
+    (tokenizer / "tokenizer.json").write_text('{"run": 1}')
+    (tokenizer / "generation_config.json").write_text('{"eos_token_id": 2}')
+    ckpt = tmp_path / "global_step_1"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.save({"model": {"hf.weight": torch.ones(1)}}, checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "model_path": str(base)}))
+    saved = {"worker": {"actor": {"model": {"model_path": str(base), "tokenizer_path": str(tokenizer)}}}}
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(saved))
+
+    out = export_hf(ckpt, tmp_path / "hf", "float32")
+    assert (out / "chat_template.jinja").read_text() == "{{ 'the run' }}"
+    assert (out / "tokenizer.json").read_text() == '{"run": 1}'
+    assert (out / "generation_config.json").read_text() == '{"eos_token_id": 1}'
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+
+
+def test_a_merged_export_from_a_hub_model_path_fetches_the_base_weights(tmp_path, monkeypatch):
+    """A run whose model_path is a hub id: the adapter export needs only the base's configs, but `--merged`
+    reads its weights, so the snapshot must include them (the hub cannot be reached here: a local directory
+    stands in for it, serving the files the patterns ask for)."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+    import torch.distributed.checkpoint as dcp
+    import yaml
+    from safetensors import safe_open
+
+    from spmd_grpo.run.export import export_hf
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    save_file({"model.layers.0.self_attn.q_proj.weight": w}, hub / "model.safetensors")
+
+    def snapshot_download(repo_id, allow_patterns):
+        snapshot = tmp_path / "snapshot"
+        snapshot.mkdir(exist_ok=True)
+        for f in hub.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy2(f, snapshot / f.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    ckpt = tmp_path / "global_step_1"
+    a, b = torch.ones(2, 8), torch.ones(8, 2)
+    layer = "hf.model.language_model.layers.0.self_attn.q_proj"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        adapters = {f"{layer}.lora_A.default.weight": a, f"{layer}.lora_B.default.weight": b}
+        dcp.save({"model": adapters}, checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "model_path": "org/tiny"}))
+    lora = {"rank": 2, "alpha": 2.0, "dropout": 0.0}
+    (ckpt / "config.yaml").write_text(yaml.safe_dump({"worker": {"actor": {"model": {"lora": lora}}}}))
+
+    export_hf(ckpt, tmp_path / "adapter", "float32", merged=tmp_path / "merged")
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.weight"), w + b @ a)
