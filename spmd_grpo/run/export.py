@@ -28,8 +28,9 @@ What is written:
     tokenizer, processor and chat template files replace the base model's: they are what the run trained with.
 
 OUT_DIR may hold a previous export: its weight files, model or adapter (transformers' `from_pretrained` of a
-directory holding both applies the adapter on top of those weights), are removed, anything else is left. The base model's own directory is
-refused as OUT_DIR or `--merged`, and so is one directory for both the adapter and the merged model.
+directory holding both applies the adapter on top of those weights), are removed, anything else is left.
+The base model's own directory is refused as OUT_DIR or `--merged`, and so is one directory for both the
+adapter and the merged model.
 """
 
 from __future__ import annotations
