@@ -312,21 +312,13 @@ def _write_shards(
 def _copy_side_files(src: Path, out: Path, tokenizer: Path | None = None) -> None:
     """Copy the base model's configs, tokenizer and processor files (config.json is rewritten separately),
     then the tokenizer and processor files of the run's `tokenizer_path` over them (the ones it trained with)."""
-    for f in sorted(src.iterdir()):
-        if (
-            f.is_file()
-            and f.suffix in SIDE_FILE_SUFFIXES
-            and f.name not in NOT_COPIED
-            and f.name != "config.json"
-        ):
-            shutil.copy2(f, out / f.name)
-    for f in sorted(tokenizer.iterdir()) if tokenizer is not None else []:
-        if (
-            f.is_file()
-            and f.suffix in SIDE_FILE_SUFFIXES - {".py"}
-            and f.name not in NOT_COPIED | MODEL_FILES
-        ):
-            shutil.copy2(f, out / f.name)
+    sources = [(src, SIDE_FILE_SUFFIXES, NOT_COPIED | {"config.json"})]
+    if tokenizer is not None:  # neither code nor the model's configs from a tokenizer directory
+        sources.append((tokenizer, SIDE_FILE_SUFFIXES - {".py"}, NOT_COPIED | MODEL_FILES))
+    for directory, suffixes, skipped in sources:
+        for f in sorted(directory.iterdir()):
+            if f.is_file() and f.suffix in suffixes and f.name not in skipped:
+                shutil.copy2(f, out / f.name)
 
 
 def _saved_tokenizer_path(ckpt: Path) -> str | None:
